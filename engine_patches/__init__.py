@@ -1,0 +1,1 @@
+"""Engine-side integrations of routereplay: vllm/ (and sglang/). Imports the core only."""

@@ -1,0 +1,75 @@
+"""Turn vLLM 0.32 ``RequestOutput`` objects into routing records.
+
+vLLM 0.32 conventions (``vllm/outputs.py``):
+- ``CompletionOutput.routed_experts``: numpy uint8/uint16 [P + G - 1 - start,
+  num_hidden_layers, top_k], logical expert ids (captured before the EPLB mapping), prompt
+  rows included from ``SamplingParams.routed_experts_prompt_start``, dense layers zero.
+- ``CompletionOutput.weight_versions``: spans over *output* token indexes.
+- ``CompletionOutput.logprobs[i][token_ids[i]].logprob``: the sampled token's log-prob.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from routereplay.errors import RecordError
+from routereplay.record import RoutingRecord, WeightVersionSpan
+from routereplay.schema import RoutingSchema
+
+
+def record_from_output(output: Any, schema: RoutingSchema, *, sample_id: str | None = None,
+                       start: int = 0, engine: str = "vllm") -> RoutingRecord:
+    """Build a validated RoutingRecord from one ``vllm.RequestOutput`` (first completion).
+
+    Args:
+        output: a finished ``vllm.RequestOutput``.
+        schema: the model's routing schema (dense layers are stripped with it).
+        sample_id: record id; default the request id.
+        start: the request's ``routed_experts_prompt_start``.
+    Returns:
+        record with ids [P + G - 1 - start, L_moe, top_k], token ids, sampled-token
+        log-probs (if requested with ``logprobs=0``) and weight-version spans over token
+        positions (prompt rows take the version of the first output span).
+    Raises:
+        RecordError: routing missing (engine started without --enable-return-routed-experts
+            or request aborted), wrong row count, bad ids (names sample, token, layer).
+    """
+    sid = str(sample_id if sample_id is not None else output.request_id)
+    c = output.outputs[0]
+    prompt = list(output.prompt_token_ids or [])
+    gen = list(c.token_ids)
+    full = c.routed_experts
+    if full is None:
+        raise RecordError(
+            f"sample {sid!r}: vLLM returned no routed_experts; start the engine with "
+            "--enable-return-routed-experts (LLM(enable_return_routed_experts=True)); an "
+            "aborted request also has none")
+    full = np.asarray(full)
+    n = len(prompt) + len(gen)
+    if full.ndim != 3 or full.shape[0] != n - 1 - start:
+        raise RecordError(
+            f"sample {sid!r}: routed_experts has shape {tuple(full.shape)}, expected "
+            f"[{n - 1 - start}, {schema.num_hidden_layers}, {schema.top_k}] for "
+            f"{len(prompt)} prompt + {len(gen)} generated tokens, start={start}")
+    try:
+        ids = schema.strip_dense(full).astype(schema.id_dtype, copy=False)
+    except Exception as e:
+        raise RecordError(f"sample {sid!r}: {e}") from None
+    logprobs = None
+    if c.logprobs is not None:
+        logprobs = np.array([float(d[t].logprob) for d, t in zip(c.logprobs, gen)],
+                            dtype=np.float32)
+    spans = []
+    for i, s in enumerate(c.weight_versions or []):
+        a, b = int(s.start) + len(prompt), int(s.end) + len(prompt)
+        if i == 0:
+            a = 0          # the prompt was prefilled with the first span's weights
+        spans.append(WeightVersionSpan(str(s.version), a, b))
+    cached = int(getattr(output, "num_cached_tokens", 0) or 0)
+    rec = RoutingRecord(
+        sample_id=sid, ids=ids, start=start, prompt_len=len(prompt),
+        token_ids=np.asarray(prompt + gen, dtype=np.int32), logprobs=logprobs,
+        weight_versions=spans, prefix_cached=[(0, cached)] if cached else [], engine=engine)
+    rec.validate(schema)
+    return rec

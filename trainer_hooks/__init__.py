@@ -1,0 +1,1 @@
+"""Trainer-side integrations of routereplay: megatron/ (the product). Imports the core only."""

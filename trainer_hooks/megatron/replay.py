@@ -1,0 +1,136 @@
+"""Feed recorded routing into megatron-core's RouterReplay, with per-token fallback.
+
+megatron-core (0.16+) ``RouterReplay.get_replay_topk`` replaces the whole top-k of a layer
+with ``target_topk_idx [num_tokens, k]``: it has no notion of rows without routing (the
+last token, padding, truncated or skipped prompt rows). :func:`replay_patch` wraps that one
+method (reversibly, only while the context is active) so that:
+
+- rows whose replay ids are ``-1`` take the trainer's own top-k (per-token fallback);
+- the experts a layer actually used are kept on the instance (``rr_used_topk``,
+  int64 [num_tokens, k]) for routing-agreement metrics.
+
+Token order is megatron's router input order: ``[s, b, h]`` flattened s-major, so row
+``p * b + j`` is token position p of sample j in the microbatch.
+"""
+from __future__ import annotations
+
+import contextlib
+from typing import Iterator, Sequence
+
+import numpy as np
+import torch
+
+from routereplay.errors import AlignmentError
+from routereplay.record import RoutingRecord
+from routereplay.schema import RoutingSchema
+
+MISSING = -1
+
+
+def replay_tensors(records: Sequence[RoutingRecord], schema: RoutingSchema, seq_len: int,
+                   layers: Sequence[int] | None = None) -> list[torch.Tensor]:
+    """Per-MoE-layer replay ids for a right-padded microbatch.
+
+    Args:
+        records: one per sample of the microbatch (batch index j = position in the list);
+            record i covers token positions [start, start + T).
+        schema: routing schema of the records and the model.
+        seq_len: s, the padded sequence length of the microbatch (tokens).
+        layers: positions on the record's MoE layer axis held by this model chunk
+            (default all, in order).
+    Returns:
+        list over layers of int64 [s * b, top_k], s-major; rows without routing are -1.
+    Raises:
+        AlignmentError: a record has rows beyond ``seq_len``.
+    """
+    b = len(records)
+    layers = list(range(schema.num_moe_layers)) if layers is None else list(layers)
+    out = np.full((seq_len, b, len(layers), schema.top_k), MISSING, dtype=np.int64)
+    for j, r in enumerate(records):
+        if r.start + r.num_tokens > seq_len:
+            raise AlignmentError(
+                f"sample {r.sample_id!r}: routing rows cover token positions "
+                f"[{r.start}, {r.start + r.num_tokens}) but the microbatch holds {seq_len} tokens")
+        out[r.start:r.start + r.num_tokens, j] = r.ids[:, layers].astype(np.int64)
+    flat = out.reshape(seq_len * b, len(layers), schema.top_k)
+    return [torch.from_numpy(np.ascontiguousarray(flat[:, i])) for i in range(len(layers))]
+
+
+def _patched_get_replay_topk(self, scores, topk, num_groups=None, group_topk=None,
+                             default_compute_topk=None):
+    from megatron.core.transformer.moe.router_replay import RouterReplayAction as A
+    action = self.router_replay_action
+    if action in (A.REPLAY_FORWARD, A.REPLAY_BACKWARD):
+        target = (self.target_topk_idx if action == A.REPLAY_FORWARD
+                  else self.replay_backward_list.pop(0))
+        target = target.to(scores.device)
+        if target.shape != (scores.shape[0], topk):
+            raise AlignmentError(
+                f"replay ids have shape {tuple(target.shape)} but the router sees "
+                f"{scores.shape[0]} tokens with top_k={topk}")
+        missing = target < 0
+        if bool(missing.any()):
+            _, own = default_compute_topk(scores, topk, num_groups=num_groups, group_topk=group_topk)
+            row_missing = missing.any(-1, keepdim=True)
+            idx = torch.where(row_missing, own, target)
+        else:
+            idx = target
+        probs = scores.gather(1, idx)
+        self.rr_used_topk = idx.detach()
+        return probs, idx
+    probs, idx = default_compute_topk(scores, topk, num_groups=num_groups, group_topk=group_topk)
+    if action == A.RECORD:
+        self.record_indices(idx)
+    self.rr_used_topk = idx.detach()
+    return probs, idx
+
+
+@contextlib.contextmanager
+def replay_patch() -> Iterator[None]:
+    """Install the fallback-aware ``get_replay_topk`` on megatron's RouterReplay class.
+
+    Restores the original method on exit.
+    """
+    from megatron.core.transformer.moe.router_replay import RouterReplay
+    orig = RouterReplay.get_replay_topk
+    RouterReplay.get_replay_topk = _patched_get_replay_topk
+    try:
+        yield
+    finally:
+        RouterReplay.get_replay_topk = orig
+
+
+def router_instances():
+    """megatron's global RouterReplay list (one per local MoE router, construction order)."""
+    from megatron.core.transformer.moe.router_replay import RouterReplay
+    return RouterReplay.global_router_replay_instances
+
+
+@contextlib.contextmanager
+def replaying(per_layer: list[torch.Tensor] | None) -> Iterator[None]:
+    """Run the model with replay of ``per_layer`` ids (or, with None, its own routing while
+    still recording the used experts). Clears replay state on exit."""
+    from megatron.core.transformer.moe.router_replay import RouterReplay
+    from megatron.core.transformer.moe.router_replay import RouterReplayAction as A
+    insts = router_instances()
+    with replay_patch():
+        try:
+            if per_layer is None:
+                RouterReplay.set_global_router_replay_action(A.RECORD)
+            else:
+                if len(per_layer) != len(insts):
+                    raise AlignmentError(f"{len(per_layer)} replay layers for {len(insts)} "
+                                         "MoE routers in this model")
+                RouterReplay.set_replay_data(per_layer)
+                RouterReplay.set_global_router_replay_action(A.REPLAY_FORWARD)
+            yield
+        finally:
+            RouterReplay.clear_global_router_replay_action()
+            RouterReplay.clear_global_indices()
+
+
+def used_topk(seq_len: int, batch: int) -> np.ndarray:
+    """Experts each router used in the last forward: int64 [b, s, L_local, k]."""
+    per = [inst.rr_used_topk.cpu().numpy() for inst in router_instances()]
+    arr = np.stack(per, axis=1)                       # [s*b, L, k]
+    return arr.reshape(seq_len, batch, len(per), -1).transpose(1, 0, 2, 3)
