@@ -19,6 +19,7 @@ def _cmd_demo(a: argparse.Namespace) -> int:
     from routereplay.demo.run import DemoConfig, format_report, run_demo
     cfg = DemoConfig(model=a.model, num_prompts=a.prompts, max_tokens=a.max_tokens,
                      engine_dtype=a.engine_dtype, router_perturb=a.router_perturb,
+                     router_select_noise=a.router_select_noise,
                      seed=a.seed, workdir=a.workdir)
     print("routereplay demo: building/loading the model, rolling out in vLLM, recomputing in "
           "megatron-core (about 2-4 minutes on 2 CPU cores) ...", file=sys.stderr, flush=True)
@@ -90,6 +91,9 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--engine-dtype", default="bfloat16", choices=["bfloat16", "float32"])
     d.add_argument("--router-perturb", type=float, default=0.0,
                    help="add N(0, EPS^2) noise to the trainer's router weights")
+    d.add_argument("--router-select-noise", type=float, default=0.0,
+                   help="add N(0, EPS^2) noise to the router scores the trainer uses to select "
+                        "its own top-k (gate values stay exact): routing flips only")
     d.add_argument("--seed", type=int, default=0)
     d.add_argument("--workdir", help="keep the sidecar and logs here")
     d.set_defaults(func=_cmd_demo)

@@ -39,6 +39,32 @@ def encode(ids: np.ndarray, codec: str = DEFAULT_CODEC, level: int = _ZSTD_LEVEL
     raise ValueError(f"unknown codec {codec!r}; known: {CODECS}")
 
 
+def bounded_zstd_decompress(data: bytes, nbytes: int, chunk: int = 1 << 20) -> bytes:
+    """Decompress one zstd frame that must hold exactly ``nbytes`` bytes.
+
+    NOTE: memory grows with the bytes actually produced (read in ``chunk``-sized steps),
+    never with a size claimed by metadata or by the frame header, so forged sizes cannot
+    cause a huge allocation.
+
+    Raises:
+        SidecarError: not a valid zstd frame, or its content is not ``nbytes`` long.
+    """
+    out = bytearray()
+    try:
+        reader = zstandard.ZstdDecompressor().stream_reader(data, read_across_frames=False)
+        while len(out) <= nbytes:
+            piece = reader.read(min(chunk, nbytes + 1 - len(out)))
+            if not piece:
+                break
+            out += piece
+    except zstandard.ZstdError as e:
+        raise SidecarError(f"zstd section does not decode: {e}") from None
+    if len(out) != nbytes:
+        raise SidecarError(f"zstd section holds {'more than ' if len(out) > nbytes else ''}"
+                           f"{len(out)} bytes, metadata says {nbytes}")
+    return bytes(out)
+
+
 def decode(data: bytes, codec: str, shape: tuple[int, int, int], dtype: np.dtype) -> np.ndarray:
     """Decode a section back to ids [T, L_g, top_k] of ``dtype``.
 
@@ -53,11 +79,7 @@ def decode(data: bytes, codec: str, shape: tuple[int, int, int], dtype: np.dtype
     if codec == "raw-lm":
         raw = data
     elif codec == "zstd-lm":
-        try:
-            # max_output_size bounds the allocation by the size the metadata promises.
-            raw = zstandard.ZstdDecompressor().decompress(data, max_output_size=max(nbytes, 1))
-        except zstandard.ZstdError as e:
-            raise SidecarError(f"zstd section does not decode: {e}") from None
+        raw = bounded_zstd_decompress(data, nbytes)
     else:
         raise SidecarError(f"unknown routing codec {codec!r}; known: {CODECS}")
     if len(raw) != nbytes:

@@ -1,4 +1,4 @@
-"""Log-prob mismatch and routing-agreement metrics (DESIGN.md "Validation").
+"""Log-prob mismatch and routing-agreement metrics of routing replay.
 
 Definitions, used exactly so that figures compare across runs and with the R3 paper
 (arXiv 2510.11370):

@@ -67,46 +67,29 @@ class RoutingRecord:
         return int(self.ids.shape[0])
 
     def validate(self, schema: RoutingSchema) -> None:
-        """Check shape, dtype, id range, duplicate ids and row count.
+        """Check field types, shape, dtype, id range, duplicate ids and row count.
 
         Raises:
             RecordError: naming the sample, and the token position and MoE decoder layer of
                 the first bad row.
         """
         sid = self.sample_id
-        ids = self.ids
-        if not isinstance(ids, np.ndarray) or ids.ndim != 3:
-            raise RecordError(f"sample {sid!r}: ids must be an array [T, L_moe, top_k], "
-                              f"got {getattr(ids, 'shape', type(ids))}")
-        if ids.shape[1:] != (schema.num_moe_layers, schema.top_k):
-            raise RecordError(
-                f"sample {sid!r}: ids shape {tuple(ids.shape)} does not match the schema "
-                f"[T, L_moe={schema.num_moe_layers}, top_k={schema.top_k}]")
-        if ids.dtype != schema.id_dtype:
-            raise RecordError(f"sample {sid!r}: ids dtype {ids.dtype} != schema {schema.id_dtype}")
+        if not isinstance(sid, str):
+            raise RecordError(f"sample id must be a string, got {type(sid).__name__} {sid!r}")
+        for name in ("start", "prompt_len"):
+            v = getattr(self, name)
+            if v is not None and (isinstance(v, bool) or not isinstance(v, (int, np.integer))):
+                raise RecordError(f"sample {sid!r}: {name} must be an integer, got {v!r}")
+        if not isinstance(self.engine, str):
+            raise RecordError(f"sample {sid!r}: engine must be a string")
+        self.validate_ids(schema)
         if self.start < 0:
             raise RecordError(f"sample {sid!r}: negative start {self.start}")
-        bad = ids >= schema.num_experts
-        if bad.any():
-            t, l, k = (int(x) for x in np.argwhere(bad)[0])
-            raise RecordError(
-                f"sample {sid!r}, token {self.start + t}, layer {schema.moe_layer_ids[l]}: "
-                f"expert id {int(ids[t, l, k])} >= num_experts {schema.num_experts}")
-        if schema.top_k > 1 and ids.size:
-            s = np.sort(ids, axis=-1)
-            dup = (s[..., 1:] == s[..., :-1]).any(-1)
-            if dup.any():
-                t, l = (int(x) for x in np.argwhere(dup)[0])
-                hint = (" (all-zero row: the capturer was never bound, or a dense layer "
-                        "was read as MoE)" if not ids[t, l].any() else "")
-                raise RecordError(
-                    f"sample {sid!r}, token {self.start + t}, layer {schema.moe_layer_ids[l]}: "
-                    f"duplicate expert ids {ids[t, l].tolist()} in one top-k row{hint}")
         if self.token_ids is not None:
             n = len(self.token_ids)
-            if ids.shape[0] != n - 1 - self.start:
+            if self.ids.shape[0] != n - 1 - self.start:
                 raise RecordError(
-                    f"sample {sid!r}: {ids.shape[0]} routing rows but {n} tokens with "
+                    f"sample {sid!r}: {self.ids.shape[0]} routing rows but {n} tokens with "
                     f"start={self.start}: expected N - 1 - start = {n - 1 - self.start} rows")
             if self.prompt_len is not None and not (0 < self.prompt_len <= n):
                 raise RecordError(f"sample {sid!r}: prompt_len {self.prompt_len} outside [1, {n}]")
@@ -119,16 +102,54 @@ class RoutingRecord:
             if not (0 <= span.start <= span.end):
                 raise RecordError(f"sample {sid!r}: bad weight-version span {span}")
 
+    def validate_ids(self, schema: RoutingSchema, layer_ids: Sequence[int] | None = None) -> None:
+        """Check ids only: [T, L, top_k] of the schema's dtype, in range, distinct per row.
+
+        ``layer_ids``: the decoder-layer ids of the L layers held (default all MoE layers).
+
+        Raises:
+            RecordError: naming the sample, token position and decoder layer.
+        """
+        sid = self.sample_id
+        ids = self.ids
+        layer_ids = list(schema.moe_layer_ids if layer_ids is None else layer_ids)
+        if not isinstance(ids, np.ndarray) or ids.ndim != 3:
+            raise RecordError(f"sample {sid!r}: ids must be an array [T, L_moe, top_k], "
+                              f"got {getattr(ids, 'shape', type(ids))}")
+        if ids.shape[1:] != (len(layer_ids), schema.top_k):
+            raise RecordError(
+                f"sample {sid!r}: ids shape {tuple(ids.shape)} does not match the schema "
+                f"[T, L_moe={len(layer_ids)}, top_k={schema.top_k}]")
+        if ids.dtype != schema.id_dtype:
+            raise RecordError(f"sample {sid!r}: ids dtype {ids.dtype} != schema {schema.id_dtype}")
+        bad = ids >= schema.num_experts
+        if bad.any():
+            t, l, k = (int(x) for x in np.argwhere(bad)[0])
+            raise RecordError(
+                f"sample {sid!r}, token {self.start + t}, layer {layer_ids[l]}: "
+                f"expert id {int(ids[t, l, k])} >= num_experts {schema.num_experts}")
+        if schema.top_k > 1 and ids.size:
+            srt = np.sort(ids, axis=-1)
+            dup = (srt[..., 1:] == srt[..., :-1]).any(-1)
+            if dup.any():
+                t, l = (int(x) for x in np.argwhere(dup)[0])
+                hint = (" (all-zero row: the capturer was never bound, or a dense layer "
+                        "was read as MoE)" if not ids[t, l].any() else "")
+                raise RecordError(
+                    f"sample {sid!r}, token {self.start + t}, layer {layer_ids[l]}: "
+                    f"duplicate expert ids {ids[t, l].tolist()} in one top-k row{hint}")
+
     def meta(self) -> dict[str, Any]:
         """JSON-able metadata (everything but the arrays)."""
         return {
             "sample_id": self.sample_id,
             "num_tokens": self.num_tokens,
-            "start": self.start,
-            "prompt_len": self.prompt_len,
-            "weight_versions": [[s.version, s.start, s.end] for s in self.weight_versions],
-            "recomputed": [list(s) for s in self.recomputed],
-            "prefix_cached": [list(s) for s in self.prefix_cached],
+            "start": int(self.start),
+            "prompt_len": None if self.prompt_len is None else int(self.prompt_len),
+            "weight_versions": [[str(s.version), int(s.start), int(s.end)]
+                                for s in self.weight_versions],
+            "recomputed": [[int(a), int(b)] for a, b in self.recomputed],
+            "prefix_cached": [[int(a), int(b)] for a, b in self.prefix_cached],
             "engine": self.engine,
         }
 

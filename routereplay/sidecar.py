@@ -359,8 +359,8 @@ class SidecarReader:
             self.header = json.loads(js)
             self.schema = RoutingSchema.from_dict(self.header["schema"])
             self.codec = str(self.header["codec"])
-        except (ValueError, KeyError, TypeError) as e:
-            raise SidecarError(f"invalid sidecar header: {e}", offset=0) from None
+        except (ValueError, KeyError, TypeError, RecursionError) as e:
+            raise SidecarError(f"invalid sidecar header: {e!r}"[:500], offset=0) from None
         self._data_start = _HEADER_FIXED.size + jlen + 4
 
     def _load_index(self) -> None:
@@ -377,11 +377,14 @@ class SidecarReader:
             entries = json.loads(payload)["records"]
             frames = []
             for sid, o in entries:
-                if not isinstance(sid, str) or not isinstance(o, int):
+                # NOTE: offsets must point into the frame area; _decode also checks that
+                # the frame found there holds this sample id (a stale or forged index).
+                if not isinstance(sid, str) or isinstance(o, bool) or not isinstance(o, int) \
+                        or not (self._data_start <= o < off):
                     return
                 frames.append(FrameInfo(offset=o, kind=KIND_RECORD, payload_len=-1,
                                         meta={"sample_id": sid}))
-        except (SidecarError, ValueError, KeyError, TypeError):
+        except (SidecarError, ValueError, KeyError, TypeError, RecursionError):
             return  # fall back to scanning
         self._frames_index = frames
         self._by_id = {fi.meta["sample_id"]: fi for fi in frames}
@@ -434,7 +437,7 @@ class SidecarReader:
                 off = nxt
                 continue
             end = off + FRAME_HEADER_SIZE + plen
-            if end > self.size:
+            if end > self.size or plen > MAX_FRAME_BYTES:
                 self._torn(off, f"payload of {plen} bytes runs past the end ({self.size} bytes)")
                 break
             if kind == KIND_RECORD:
@@ -512,7 +515,15 @@ class SidecarReader:
         if fi is None:
             raise KeyError(f"sample {sample_id!r} not in sidecar")
         try:
-            return self._decode(fi.offset, layers=layers, tokens=tokens, arrays=arrays)
+            rec = self._decode(fi.offset, layers=layers, tokens=tokens, arrays=arrays)
+            if rec.sample_id != sample_id:
+                if self._frames is None:          # index disagrees with the frames: rescan
+                    self._by_id = {}
+                    self.scan()
+                    return self.read(sample_id, layers=layers, tokens=tokens, arrays=arrays)
+                raise SidecarError(f"frame at offset {fi.offset} holds sample "
+                                   f"{rec.sample_id!r}, not {sample_id!r}", offset=fi.offset)
+            return rec
         except SidecarError as e:
             if e.sample_id is not None:
                 raise
@@ -551,32 +562,43 @@ class SidecarReader:
         if tokens is not None:
             r0 = min(max(tokens[0] - start, 0), t)
             r1 = min(max(tokens[1] - start, r0), t)
-        out = np.empty((r1 - r0, len(want), schema.top_k), dtype=schema.id_dtype)
         pos = {lyr: i for i, lyr in enumerate(want)}
         extra: dict[str, np.ndarray] = {}
+        parts: list[tuple[list[int], int, np.ndarray]] = []
         try:
             for sec in meta["sections"]:
                 blob = body[sec["offset"]: sec["offset"] + sec["length"]]
                 if sec["name"] == "routing":
                     l0, l1 = sec["layers"]
                     hit = [lyr for lyr in range(l0, l1) if lyr in pos]
-                    if not hit:
-                        continue
-                    ids = _codec.decode(blob, sec["codec"], tuple(sec["shape"]), schema.id_dtype)
-                    for lyr in hit:
-                        out[:, pos[lyr]] = ids[r0:r1, lyr - l0]
+                    if hit:
+                        ids = _codec.decode(blob, sec["codec"], tuple(sec["shape"]), schema.id_dtype)
+                        parts.append((hit, l0, ids))
                 elif arrays and sec["name"] in ("token_ids", "logprobs"):
                     extra[sec["name"]] = _decode_array(blob, sec)
         except SidecarError as e:
             raise SidecarError(f"sample {sid!r} (frame at offset {off}): {e}", offset=off,
                                sample_id=sid) from None
-        return RoutingRecord(
+        # NOTE: allocated only after the sections decoded to their promised sizes, so the
+        # size is backed by real data (or is zero when no layer was asked for).
+        out = np.empty((r1 - r0, len(want), schema.top_k), dtype=schema.id_dtype)
+        for hit, l0, ids in parts:
+            for lyr in hit:
+                out[:, pos[lyr]] = ids[r0:r1, lyr - l0]
+        if want and len(parts) == 0 and t:
+            raise SidecarError(f"sample {sid!r}: no routing section decoded", offset=off)
+        rec = RoutingRecord(
             sample_id=sid, ids=out, start=start + r0, prompt_len=meta["prompt_len"],
             token_ids=extra.get("token_ids"), logprobs=extra.get("logprobs"),
             weight_versions=RoutingRecord.spans_from_meta(meta),
             recomputed=[tuple(s) for s in meta["recomputed"]],
             prefix_cached=[tuple(s) for s in meta["prefix_cached"]],
             engine=meta["engine"])
+        try:
+            rec.validate_ids(schema, layer_ids=[schema.moe_layer_ids[i] for i in want])
+        except RecordError as e:
+            raise SidecarError(f"frame at offset {off}: {e}", offset=off, sample_id=sid) from None
+        return rec
 
     def close(self) -> None:
         if self._own:
@@ -602,8 +624,8 @@ def _parse_meta(payload: bytes, schema: RoutingSchema,
         raise SidecarError(f"meta length {mlen} exceeds the payload", offset=offset)
     try:
         meta = json.loads(payload[4:4 + mlen])
-    except ValueError as e:
-        raise SidecarError(f"record meta is not JSON: {e}", offset=offset) from None
+    except (ValueError, RecursionError) as e:
+        raise SidecarError(f"record meta is not JSON: {e!r}"[:300], offset=offset) from None
     body = payload[4 + mlen:]
     _validate_meta(meta, schema, len(body), offset)
     return meta, body
@@ -625,15 +647,16 @@ def _validate_meta(meta: Any, schema: RoutingSchema, body_len: int, offset: int 
     if meta["num_tokens"] < 0 or meta["start"] < 0:
         raise bad("negative num_tokens or start")
     pl = meta.get("prompt_len")
-    if pl is not None and (not isinstance(pl, int) or isinstance(pl, bool)):
-        raise bad("prompt_len not an integer")
+    if pl is not None and (not isinstance(pl, int) or isinstance(pl, bool) or pl < 0):
+        raise bad("prompt_len not a non-negative integer")
     for span in meta["weight_versions"]:
         if not (isinstance(span, list) and len(span) == 3 and isinstance(span[0], str)
-                and all(isinstance(x, int) for x in span[1:])):
+                and all(isinstance(x, int) for x in span[1:]) and 0 <= span[1] <= span[2]):
             raise bad(f"bad weight-version span {span!r}")
     for key in ("recomputed", "prefix_cached"):
         for span in meta[key]:
-            if not (isinstance(span, list) and len(span) == 2 and all(isinstance(x, int) for x in span)):
+            if not (isinstance(span, list) and len(span) == 2
+                    and all(isinstance(x, int) for x in span) and 0 <= span[0] <= span[1]):
                 raise bad(f"bad {key} span {span!r}")
     covered = []
     for sec in meta["sections"]:
@@ -667,10 +690,7 @@ def _decode_array(blob: bytes, sec: dict[str, Any]) -> np.ndarray:
     dtype = np.dtype("<i4") if sec["name"] == "token_ids" else np.dtype("<f4")
     n = sec["shape"][0] * dtype.itemsize
     if sec["codec"] == "zstd":
-        try:
-            blob = zstandard.ZstdDecompressor().decompress(blob, max_output_size=max(n, 1))
-        except zstandard.ZstdError as e:
-            raise SidecarError(f"section {sec['name']!r} does not decode: {e}") from None
+        blob = _codec.bounded_zstd_decompress(blob, n)
     if len(blob) != n:
         raise SidecarError(f"section {sec['name']!r} holds {len(blob)} bytes, expected {n}")
     return np.frombuffer(blob, dtype=dtype).astype(dtype.newbyteorder("="))
@@ -683,7 +703,7 @@ def _peek_sample_id(payload: bytes) -> str | None:
         meta = json.loads(payload[4:4 + min(mlen, MAX_JSON_BYTES)])
         sid = meta.get("sample_id")
         return sid if isinstance(sid, str) else None
-    except Exception:  # noqa: BLE001 - corrupt bytes, nothing to report
+    except Exception:  # noqa: BLE001 - corrupt bytes (also RecursionError): nothing to report
         return None
 
 

@@ -1,8 +1,8 @@
 """End to end on the real engines: `routereplay demo` in a subprocess with a timeout.
 
 Each test starts one vLLM engine (in the demo's rollout subprocess): the default demo
-(bf16 engine vs fp32 trainer), and an fp32 engine vs an fp32 trainer whose router weights
-differ by a tiny epsilon (router numerics are then the only difference).
+(bf16 engine vs fp32 trainer), and an fp32 engine vs an fp32 trainer whose router breaks
+near-ties differently (selection noise; router numerics are then the only difference).
 """
 import json
 import math
@@ -46,8 +46,14 @@ def test_demo_bf16_engine_vs_fp32_trainer(tmp_path):
 
 
 def test_demo_router_numerics_only(tmp_path):
-    """fp32 engine and trainer; only the trainer's router weights differ (epsilon)."""
-    _, res = _demo(tmp_path, "--engine-dtype", "float32", "--router-perturb", "0.01")
+    """fp32 engine and trainer; only the trainer's top-k selection differs (a small noise on
+    the scores it selects with, gate values exact), which flips some rows.
+
+    NOTE: perturbing the router *weights* also changes the gate values, which replay keeps
+    from the trainer by design; measured here with weights + N(0, 3e-4^2): replay cut k3 KL
+    only from 1.2e-4 to 7.9e-5. Selection noise isolates the routing flips.
+    """
+    _, res = _demo(tmp_path, "--engine-dtype", "float32", "--router-select-noise", "0.05")
     nr, r = res["no_replay"], res["replay"]
     assert nr["routing_agreement"] < 1.0                 # epsilon flipped some rows
     assert r["routing_agreement"] == 1.0

@@ -44,3 +44,29 @@ def test_wrong_layer_axis(schema):
     r.ids = np.concatenate([np.zeros_like(r.ids[:, :1]), r.ids], 1)   # dense layer kept
     with pytest.raises(RecordError, match="does not match the schema"):
         r.validate(schema)
+
+
+def test_vllm_weight_version_spans_map_to_rows():
+    pytest.importorskip("vllm", reason="engine extra")
+    from engine_patches.vllm.records import weight_version_rows
+    # P=3, G=4: rows are token positions 0..5; output token i comes from row P+i-1
+    spans = weight_version_rows([("v1", 0, 2), ("v2", 2, 4)], prompt_len=3)
+    assert [(s.version, s.start, s.end) for s in spans] == [("v1", 0, 4), ("v2", 4, 6)]
+
+
+def test_vllm_ids_checked_before_narrowing(schema):
+    pytest.importorskip("vllm", reason="engine extra")
+    from types import SimpleNamespace
+    from engine_patches.vllm.records import record_from_output
+    from routereplay.errors import RecordError
+    full = np.zeros((5, 4, 4), np.int32)          # vLLM layout [P+G-1, num_hidden_layers, k]
+    full[:, 1:] = np.arange(4)
+    full[2, 3, 1] = 258                           # would wrap to 2 in uint8
+    out = SimpleNamespace(request_id="req-1", prompt_token_ids=[1, 2, 3], num_cached_tokens=0,
+                          outputs=[SimpleNamespace(token_ids=[4, 5, 6], routed_experts=full,
+                                                   logprobs=None, weight_versions=None)])
+    with pytest.raises(RecordError, match=r"sample 'req-1', token 2, layer 3: expert id 258"):
+        record_from_output(out, schema)
+    out.outputs[0].routed_experts = None
+    with pytest.raises(RecordError, match="--enable-return-routed-experts"):
+        record_from_output(out, schema)

@@ -178,3 +178,49 @@ def test_layer_groups_decode_only_requested(schema, monkeypatch):
     part = SidecarReader(data).read("g", layers=[1])
     np.testing.assert_array_equal(part.ids, rec.ids[:, [1]])
     assert calls == [(19, 1, 4)]            # one of three layer sections decoded
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(data=st.data())
+def test_fuzz_payload_with_valid_checksums(data):
+    """Mutate a record payload and re-frame it with valid CRCs: the metadata and codec
+    paths must still only raise our errors (and never allocate by forged sizes)."""
+    from routereplay.schema import RoutingSchema
+    schema = RoutingSchema(4, (1, 2, 3), 4, 16)
+    rec = _FUZZ_BASE.setdefault("rec", random_record(schema, "f", 30, 1))
+    payload = bytearray(sc.encode_record_payload(rec, schema))
+    mlen = struct.unpack("<I", payload[:4])[0]
+    for _ in range(data.draw(st.integers(1, 6))):
+        # bias mutations towards the JSON meta, where digits change sizes and offsets
+        hi = mlen + 4 if data.draw(st.booleans()) else len(payload)
+        i = data.draw(st.integers(0, hi - 1))
+        payload[i] = data.draw(st.sampled_from(list(b'0123456789[]{}",:-e9')) | st.integers(0, 255))
+    blob = sc.encode_header(schema) + sc.encode_frame(sc.KIND_RECORD, bytes(payload))
+    try:
+        r = SidecarReader(blob)
+        list(r.records(strict=False))
+        for sid in r.sample_ids():
+            r.read(sid)
+    except (RouteReplayError, KeyError):
+        pass
+
+
+def test_forged_index_never_returns_another_sample(schema):
+    recs = _records(schema, 2)
+    data = write_records(None, schema, recs).getvalue()
+    offs = [f.offset for f in SidecarReader(data).scan()]
+    idx = ('{"records":[["r0",%d],["r1",%d]]}' % (offs[1], offs[0])).encode()
+    index_off = len(data) - 16 - sc.FRAME_HEADER_SIZE - len(
+        b'{"records":[["r0",%d],["r1",%d]]}' % (offs[0], offs[1]))
+    forged = data[:index_off] + sc.encode_frame(sc.KIND_INDEX, idx) + struct.pack(
+        "<Q8s", index_off, sc.TRAILER_MAGIC)
+    r = SidecarReader(forged)
+    _assert_same(recs[0], r.read("r0"))
+    _assert_same(recs[1], r.read("r1"))
+
+
+def test_deeply_nested_json_is_our_error(schema):
+    js = b"[" * 200000
+    blob = struct.pack("<8sHHI", sc.MAGIC, 1, 0, len(js)) + js + struct.pack("<I", sc._crc(js))
+    with pytest.raises(SidecarError):
+        SidecarReader(blob)

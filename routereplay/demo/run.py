@@ -19,6 +19,7 @@ from routereplay.record import RoutingRecord
 from routereplay.schema import RoutingSchema
 from routereplay.sidecar import SidecarReader, write_records
 
+TRAINER_MODEL_TYPES = ("qwen3_moe",)   # trainer_hooks/megatron/hf_qwen3_moe.py
 METRIC_KEYS = ("routing_agreement", "k3_kl", "mean_abs_dlogp", "max_abs_dlogp",
                "extreme_token_fraction")
 
@@ -32,6 +33,7 @@ class DemoConfig:
     max_tokens: int = 48
     engine_dtype: str = "bfloat16"
     router_perturb: float = 0.0       # std of noise added to the trainer's router weights
+    router_select_noise: float = 0.0  # std of noise on router scores for top-k selection only
     seed: int = 0
     workdir: str | None = None        # keep sidecar and intermediate files here
     rollout_timeout_s: float = 900.0
@@ -83,6 +85,12 @@ def run_demo(cfg: DemoConfig) -> dict[str, Any]:
         model = os.path.abspath(cfg.model)
         prompts = demo_prompts(cfg.num_prompts)
     schema = RoutingSchema.from_hf_config(model)     # clear error for a model without MoE
+    with open(os.path.join(model, "config.json")) as f:
+        model_type = json.load(f).get("model_type")
+    if model_type not in TRAINER_MODEL_TYPES:
+        # NOTE: fail before the (minutes-long) rollout, not after it.
+        raise DemoError(f"model_type {model_type!r} of {model}: the trainer side maps "
+                        f"{', '.join(TRAINER_MODEL_TYPES)} checkpoints to megatron-core")
 
     work = cfg.workdir or tempfile.mkdtemp(prefix="routereplay-demo-")
     os.makedirs(work, exist_ok=True)
@@ -102,7 +110,8 @@ def run_demo(cfg: DemoConfig) -> dict[str, Any]:
     _run_stage("megatron-core recompute", [
         sys.executable, "-m", "trainer_hooks.megatron.recompute", "--model", model,
         "--sidecar", paths["sidecar"], "--out", paths["trainer"],
-        "--router-perturb", str(cfg.router_perturb), "--seed", str(cfg.seed)],
+        "--router-perturb", str(cfg.router_perturb),
+        "--router-select-noise", str(cfg.router_select_noise), "--seed", str(cfg.seed)],
         dict(os.environ), cfg.trainer_timeout_s, paths["trainer_log"])
 
     with open(paths["rollout"]) as f:
@@ -124,7 +133,8 @@ def run_demo(cfg: DemoConfig) -> dict[str, Any]:
         "router_grad_norms": tr["replay_backward"]["router_grad_norms"],
         "model": model, "schema": schema.to_dict(), "engine": f"vllm {roll['vllm_version']}",
         "engine_dtype": cfg.engine_dtype, "trainer_dtype": "float32",
-        "router_perturb": cfg.router_perturb, "num_prompts": cfg.num_prompts,
+        "router_perturb": cfg.router_perturb, "router_select_noise": cfg.router_select_noise,
+        "num_prompts": cfg.num_prompts,
         "max_tokens": cfg.max_tokens, "sidecar": paths["sidecar"],
         "timings_s": {"engine_start": roll["engine_start_s"], "generate": roll["generate_s"],
                       "trainer_build": tr["build_s"]},
@@ -141,7 +151,10 @@ def format_report(res: dict[str, Any]) -> str:
         f"{s['num_experts']} experts, top-{s['top_k']}",
         f"engine {res['engine']} ({res['engine_dtype']}) -> sidecar -> megatron-core "
         f"({res['trainer_dtype']}); {res['num_prompts']} prompts x {res['max_tokens']} new tokens"
-        + (f"; trainer router perturbed by {res['router_perturb']:g}" if res["router_perturb"] else ""),
+        + (f"; trainer router weights perturbed by {res['router_perturb']:g}"
+           if res["router_perturb"] else "")
+        + (f"; trainer top-k selection noise {res['router_select_noise']:g}"
+           if res["router_select_noise"] else ""),
         "",
         f"{'condition':<11}{'routing agreement':>19}{'k3 KL':>11}{'mean |dlogp|':>14}"
         f"{'max |dlogp|':>13}{'extreme tokens':>16}",

@@ -4,7 +4,7 @@ Run as a module in its own process (it applies the CPU shim and starts a gloo pr
 group of world size 1):
 
     python -m trainer_hooks.megatron.recompute --model HF_DIR --sidecar S.rrsc --out R.json \
-        [--router-perturb EPS] [--seed 0]
+        [--router-perturb EPS] [--router-select-noise EPS] [--seed 0]
 
 Reads every record of the sidecar (token ids, engine log-probs, routing), checks the
 sidecar's schema against the model's, builds a right-padded batch, and runs three passes:
@@ -84,30 +84,49 @@ def token_logprobs(model, ids, pos, mask) -> torch.Tensor:
 
 
 def condition_metrics(records: Sequence[RoutingRecord], lp: torch.Tensor,
-                      used: np.ndarray) -> dict[str, Any]:
-    """Mismatch metrics of one pass: trainer log-probs lp [b, s-1], used experts [b, s, L, k]."""
-    deltas, eng, tr = [], [], []
+                      used_sets: np.ndarray, used_ordered: np.ndarray) -> dict[str, Any]:
+    """Mismatch metrics of one pass.
+
+    Args:
+        lp: trainer log-probs float [b, s-1] (column p-1 is token p).
+        used_sets: experts from the routers' output routing maps, int [b, s, L, k] (the set
+            agreement is measured on these).
+        used_ordered: top-k ids in the router's column order, int [b, s, L, k].
+    """
+    deltas, eng, tr_set, tr_ord = [], [], [], []
     per_sample = []
     for j, r in enumerate(records):
         n, p = len(r.token_ids), r.prompt_len
         d = lp[j, p - 1:n - 1].detach().double().numpy() - r.logprobs.astype(np.float64)
+        rows = slice(r.start, r.start + r.num_tokens)
         deltas.append(d)
         eng.append(r.ids)
-        tr.append(used[j, r.start:r.start + r.num_tokens])
+        tr_set.append(used_sets[j, rows])
+        tr_ord.append(used_ordered[j, rows])
+        agree = metrics.routing_agreement(r.ids, used_sets[j, rows])
         per_sample.append({"sample_id": r.sample_id, **metrics.logprob_metrics(d),
-                           **{k: v for k, v in metrics.routing_agreement(r.ids, used[j, r.start:r.start + r.num_tokens]).items()
-                              if k != "per_layer"}})
+                           "routing_agreement": agree["routing_agreement"]})
     out = metrics.logprob_metrics(np.concatenate(deltas))
-    out.update(metrics.routing_agreement(np.concatenate(eng), np.concatenate(tr)))
+    out.update(metrics.routing_agreement(np.concatenate(eng), np.concatenate(tr_set)))
+    out["routing_agreement_ordered"] = metrics.routing_agreement(
+        np.concatenate(eng), np.concatenate(tr_ord))["routing_agreement_ordered"]
     out["per_sample"] = per_sample
     return out
 
 
-def run(model_dir: str, sidecar: str, *, router_perturb: float = 0.0, seed: int = 0) -> dict[str, Any]:
-    """Recompute the sidecar's rollouts with ``model_dir`` in megatron-core; see module doc."""
+def run(model_dir: str, sidecar: str, *, router_perturb: float = 0.0,
+        router_select_noise: float = 0.0, seed: int = 0) -> dict[str, Any]:
+    """Recompute the sidecar's rollouts with ``model_dir`` in megatron-core; see module doc.
+
+    router_perturb: std of noise added to the trainer's router weights (changes selection
+    and gate values); router_select_noise: std of noise on the router scores used for the
+    trainer's own top-k selection only (replay.selection_noise).
+    """
     init_single_process()
     from trainer_hooks.megatron import hf_qwen3_moe as conv
-    from trainer_hooks.megatron.replay import replay_tensors, replaying, router_instances, used_topk
+    from trainer_hooks.megatron.replay import (capture_routing_maps, replay_tensors, replaying,
+                                               router_instances, routing_map_topk,
+                                               selection_noise, used_topk)
 
     hf = conv.load_hf_config(model_dir)
     schema = RoutingSchema.from_hf_config(hf)
@@ -136,13 +155,16 @@ def run(model_dir: str, sidecar: str, *, router_perturb: float = 0.0, seed: int 
     b, s = ids.shape
     replay_ids = replay_tensors(records, schema, s)
     result: dict[str, Any] = {"num_samples": b, "seq_len": s, "build_s": build_s,
-                              "router_perturb": router_perturb}
+                              "router_perturb": router_perturb,
+                              "router_select_noise": router_select_noise}
     for name, per_layer in (("no_replay", None), ("replay", replay_ids)):
         t1 = time.perf_counter()
-        with torch.no_grad(), replaying(per_layer):
+        with torch.no_grad(), replaying(per_layer), capture_routing_maps(model) as rts, \
+                selection_noise(router_select_noise, seed + 11):
             lp = token_logprobs(model, ids, pos, mask)
             used = used_topk(s, b)
-        result[name] = condition_metrics(records, lp, used)
+            used_sets = routing_map_topk(rts, s, b, schema.top_k)
+        result[name] = condition_metrics(records, lp, used_sets, used)
         result[name]["forward_s"] = time.perf_counter() - t1
 
     # One backward with replay: the router must still receive gradients (the gate
@@ -156,7 +178,7 @@ def run(model_dir: str, sidecar: str, *, router_perturb: float = 0.0, seed: int 
         loss = -(lp * resp).sum() / resp.sum()
         loss.backward()
     result["replay_backward"] = {
-        "loss": float(loss),
+        "loss": float(loss.detach()),
         "router_grad_norms": [float(r.weight.grad.norm()) if r.weight.grad is not None else 0.0
                               for r in routers],
     }
@@ -169,11 +191,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--sidecar", required=True)
     p.add_argument("--out", required=True)
     p.add_argument("--router-perturb", type=float, default=0.0)
+    p.add_argument("--router-select-noise", type=float, default=0.0)
     p.add_argument("--seed", type=int, default=0)
     a = p.parse_args(argv)
     from routereplay.errors import RouteReplayError
     try:
-        res = run(a.model, a.sidecar, router_perturb=a.router_perturb, seed=a.seed)
+        res = run(a.model, a.sidecar, router_perturb=a.router_perturb,
+                  router_select_noise=a.router_select_noise, seed=a.seed)
     except RouteReplayError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -26,6 +26,34 @@ from routereplay.schema import RoutingSchema
 
 MISSING = -1
 
+# Selection-only router noise (see selection_noise); None when off.
+_SELECT_NOISE: dict | None = None
+
+
+def _own_topk(scores, topk, num_groups, group_topk, default_compute_topk):
+    """The trainer's own top-k; with selection noise on, near-ties are broken by noise while
+    the gate values are still gathered from the exact scores."""
+    if _SELECT_NOISE is None:
+        return default_compute_topk(scores, topk, num_groups=num_groups, group_topk=group_topk)
+    noise = torch.randn(scores.shape, generator=_SELECT_NOISE["gen"], dtype=torch.float32)
+    _, idx = default_compute_topk(scores + (_SELECT_NOISE["std"] * noise).to(scores.dtype), topk,
+                                  num_groups=num_groups, group_topk=group_topk)
+    return scores.gather(1, idx), idx
+
+
+@contextlib.contextmanager
+def selection_noise(std: float, seed: int = 0) -> Iterator[None]:
+    """Add N(0, std^2) noise to the router scores used for the trainer's own top-k
+    *selection* only (gate values stay exact): isolates what routing flips alone do, as when
+    engine and trainer break near-ties differently. Replayed rows are unaffected."""
+    global _SELECT_NOISE
+    old = _SELECT_NOISE
+    _SELECT_NOISE = {"std": float(std), "gen": torch.Generator().manual_seed(seed)} if std else None
+    try:
+        yield
+    finally:
+        _SELECT_NOISE = old
+
 
 def replay_tensors(records: Sequence[RoutingRecord], schema: RoutingSchema, seq_len: int,
                    layers: Sequence[int] | None = None) -> list[torch.Tensor]:
@@ -65,12 +93,15 @@ def _patched_get_replay_topk(self, scores, topk, num_groups=None, group_topk=Non
                   else self.replay_backward_list.pop(0))
         target = target.to(scores.device)
         if target.shape != (scores.shape[0], topk):
+            insts = router_instances()
+            where = insts.index(self) if self in insts else "?"
             raise AlignmentError(
-                f"replay ids have shape {tuple(target.shape)} but the router sees "
-                f"{scores.shape[0]} tokens with top_k={topk}")
+                f"MoE router #{where} (local order): replay ids have shape "
+                f"{tuple(target.shape)} but the router sees {scores.shape[0]} tokens with "
+                f"top_k={topk} (microbatch layout differs from the replay data)")
         missing = target < 0
         if bool(missing.any()):
-            _, own = default_compute_topk(scores, topk, num_groups=num_groups, group_topk=group_topk)
+            _, own = _own_topk(scores, topk, num_groups, group_topk, default_compute_topk)
             row_missing = missing.any(-1, keepdim=True)
             idx = torch.where(row_missing, own, target)
         else:
@@ -78,7 +109,7 @@ def _patched_get_replay_topk(self, scores, topk, num_groups=None, group_topk=Non
         probs = scores.gather(1, idx)
         self.rr_used_topk = idx.detach()
         return probs, idx
-    probs, idx = default_compute_topk(scores, topk, num_groups=num_groups, group_topk=group_topk)
+    probs, idx = _own_topk(scores, topk, num_groups, group_topk, default_compute_topk)
     if action == A.RECORD:
         self.record_indices(idx)
     self.rr_used_topk = idx.detach()
@@ -134,3 +165,40 @@ def used_topk(seq_len: int, batch: int) -> np.ndarray:
     per = [inst.rr_used_topk.cpu().numpy() for inst in router_instances()]
     arr = np.stack(per, axis=1)                       # [s*b, L, k]
     return arr.reshape(seq_len, batch, len(per), -1).transpose(1, 0, 2, 3)
+
+
+@contextlib.contextmanager
+def capture_routing_maps(model) -> Iterator[list]:
+    """Record each router's output routing map (bool [num_tokens, num_experts]) per forward.
+
+    Measured on the router's *output*, so it shows what the experts downstream receive,
+    whether or not replay took effect. Yields the list of router modules (model order =
+    RouterReplay construction order); read the maps with :func:`routing_map_topk`.
+    """
+    routers = [m for m in model.modules() if hasattr(m, "router_replay")]
+    hooks = [r.register_forward_hook(
+        lambda mod, inp, out: setattr(mod, "rr_routing_map", out[1].detach())) for r in routers]
+    try:
+        yield routers
+    finally:
+        for h in hooks:
+            h.remove()
+
+
+def routing_map_topk(routers, seq_len: int, batch: int, top_k: int) -> np.ndarray:
+    """Expert sets from the captured routing maps: int64 [b, s, L_local, top_k], ascending.
+
+    Raises:
+        AlignmentError: a row of a map does not select exactly top_k experts.
+    """
+    per = []
+    for i, r in enumerate(routers):
+        m = r.rr_routing_map
+        counts = m.sum(-1)
+        if bool((counts != top_k).any()):
+            raise AlignmentError(f"MoE router #{i}: routing map rows select "
+                                 f"{int(counts.min())}..{int(counts.max())} experts, not {top_k}")
+        idx = torch.topk(m.to(torch.int8), top_k, dim=-1).indices
+        per.append(torch.sort(idx, -1).values.cpu().numpy())
+    arr = np.stack(per, axis=1)
+    return arr.reshape(seq_len, batch, len(per), top_k).transpose(1, 0, 2, 3)
