@@ -585,8 +585,6 @@ class SidecarReader:
         for hit, l0, ids in parts:
             for lyr in hit:
                 out[:, pos[lyr]] = ids[r0:r1, lyr - l0]
-        if want and len(parts) == 0 and t:
-            raise SidecarError(f"sample {sid!r}: no routing section decoded", offset=off)
         rec = RoutingRecord(
             sample_id=sid, ids=out, start=start + r0, prompt_len=meta["prompt_len"],
             token_ids=extra.get("token_ids"), logprobs=extra.get("logprobs"),

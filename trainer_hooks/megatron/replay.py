@@ -162,9 +162,14 @@ def replaying(per_layer: list[torch.Tensor] | None) -> Iterator[None]:
 
 def used_topk(seq_len: int, batch: int) -> np.ndarray:
     """Experts each router used in the last forward: int64 [b, s, L_local, k]."""
-    per = [inst.rr_used_topk.cpu().numpy() for inst in router_instances()]
-    arr = np.stack(per, axis=1)                       # [s*b, L, k]
-    return arr.reshape(seq_len, batch, len(per), -1).transpose(1, 0, 2, 3)
+    return _batch_major([inst.rr_used_topk.cpu().numpy() for inst in router_instances()],
+                        seq_len, batch)
+
+
+def _batch_major(per_layer: list[np.ndarray], seq_len: int, batch: int) -> np.ndarray:
+    """Per-layer s-major rows [s*b, k] -> [b, s, L, k]."""
+    arr = np.stack(per_layer, axis=1)                 # [s*b, L, k]
+    return arr.reshape(seq_len, batch, len(per_layer), -1).transpose(1, 0, 2, 3)
 
 
 @contextlib.contextmanager
@@ -200,5 +205,4 @@ def routing_map_topk(routers, seq_len: int, batch: int, top_k: int) -> np.ndarra
                                  f"{int(counts.min())}..{int(counts.max())} experts, not {top_k}")
         idx = torch.topk(m.to(torch.int8), top_k, dim=-1).indices
         per.append(torch.sort(idx, -1).values.cpu().numpy())
-    arr = np.stack(per, axis=1)
-    return arr.reshape(seq_len, batch, len(per), top_k).transpose(1, 0, 2, 3)
+    return _batch_major(per, seq_len, batch)
