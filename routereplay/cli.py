@@ -5,11 +5,15 @@ packages (in subprocesses).
 
     routereplay demo [--model DIR] [--json PATH] [--prompts N] [--max-tokens N] ...
     routereplay inspect SIDECAR [--json]
+    routereplay convert --from {npy,vllm,vllm-b64,sglang-b64} INPUT --out SIDECAR
+                        (--config DIR | --num-experts E --top-k K [--moe-layers 1,3-5])
+    routereplay export SIDECAR --sample ID --out FILE.npy [--full-layers]
 """
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 
 from routereplay.errors import RouteReplayError
@@ -52,6 +56,11 @@ def _cmd_inspect(a: argparse.Namespace) -> int:
                 "sample_id": m["sample_id"], "num_tokens": m["num_tokens"],
                 "versions": sorted({s[0] for s in m["weight_versions"]})})
         out["num_records"] = len(out["records"])
+        out["num_layers"] = schema.num_moe_layers
+        out["versions"] = sorted({v for x in out["records"] for v in x["versions"]})
+        out["format_version"] = r.version
+        out["codec"] = r.codec
+        out["column_order"] = r.column_order
         out["num_tokens"] = sum(x["num_tokens"] for x in out["records"])
         rows = out["num_tokens"] * schema.num_moe_layers
         out["bits_per_token_layer"] = 8.0 * r.size / rows if rows else None
@@ -64,9 +73,13 @@ def _emit_inspect(out: dict, as_json: bool, rc: int) -> int:
     if as_json:
         print(json.dumps(out, indent=2))
     else:
-        print(f"records {out['num_records']}, tokens {out['num_tokens']}, bytes {out['bytes']}"
+        print(f"records {out['num_records']}, tokens {out['num_tokens']}, "
+              f"MoE layers {out.get('num_layers', '?')}, bytes {out['bytes']}"
               + (f", {out['bits_per_token_layer']:.3f} bits per token-layer"
                  if out["bits_per_token_layer"] else ""))
+        if "codec" in out:
+            print(f"format v{out['format_version']}, codec {out['codec']}, column order "
+                  f"{out['column_order']}, weight versions {out['versions']}")
         if "schema" in out:
             print(f"schema {out['schema']}")
         for rec in out["records"][:20]:
@@ -78,6 +91,48 @@ def _emit_inspect(out: dict, as_json: bool, rc: int) -> int:
         if out["errors"]:
             print(f"recovered {out['num_records']} records")
     return rc
+
+
+def _cmd_convert(a: argparse.Namespace) -> int:
+    from routereplay.convert import iter_records, parse_layers, schema_from_args
+    from routereplay.sidecar import SidecarWriter
+    schema = schema_from_args(a.config, a.num_experts, a.top_k,
+                              parse_layers(a.moe_layers) if a.moe_layers else None, a.num_layers)
+    n = tokens = 0
+    # NOTE: records are written as they are read; on a bad sample the writer still closes
+    # (index + trailer), so every sample before it stays readable.
+    with SidecarWriter(a.out, schema, codec=a.codec, column_order=a.column_order,
+                       layer_group=a.layer_group, extra_header={"source": a.kind}) as w:
+        for rec in iter_records(a.kind, a.input, schema):
+            w.write(rec)
+            n += 1
+            tokens += rec.num_tokens
+    size = os.path.getsize(a.out) if "://" not in a.out else w.bytes_written
+    rows = tokens * schema.num_moe_layers
+    print(f"wrote {n} records, {tokens} tokens, {size} bytes"
+          + (f", {8 * size / rows:.3f} bits per token-layer" if rows else "") + f" -> {a.out}")
+    return 0
+
+
+def _cmd_export(a: argparse.Namespace) -> int:
+    import numpy as np
+
+    from routereplay.sidecar import SidecarReader
+    with SidecarReader(a.sidecar) as r:
+        try:
+            rec = r.read(a.sample, arrays=False)
+        except KeyError:
+            raise RouteReplayError(f"sample {a.sample!r} is not in {a.sidecar}") from None
+        ids = rec.ids
+        if a.full_layers:                       # vLLM layout: dense layers zero-filled
+            full = np.zeros((ids.shape[0], r.schema.num_hidden_layers, ids.shape[2]), ids.dtype)
+            full[:, list(r.schema.moe_layer_ids)] = ids
+            ids = full
+    with open(a.out, "wb") as f:
+        np.save(f, ids, allow_pickle=False)
+    print(f"sample {a.sample!r}: {ids.shape[0]} tokens from position {rec.start}, "
+          f"array {list(ids.shape)} {ids.dtype} -> {a.out}")
+    return 0
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -101,6 +156,28 @@ def build_parser() -> argparse.ArgumentParser:
     i.add_argument("sidecar")
     i.add_argument("--json", action="store_true")
     i.set_defaults(func=_cmd_inspect)
+    c = sub.add_parser("convert", help="engine routing arrays or wire payloads -> sidecar")
+    c.add_argument("--from", dest="kind", required=True,
+                   choices=["npy", "vllm", "vllm-b64", "sglang-b64"])
+    c.add_argument("input", help=".npy / .npz / folder (npy, vllm) or a text/JSONL file (*-b64)")
+    c.add_argument("--out", required=True, help="sidecar path or fsspec URL")
+    c.add_argument("--config", help="HF config folder or config.json giving the routing schema")
+    c.add_argument("--num-experts", type=int)
+    c.add_argument("--top-k", type=int)
+    c.add_argument("--moe-layers", help="decoder layers that are MoE, e.g. '1-23' or '1,3,5'")
+    c.add_argument("--num-layers", type=int, help="num_hidden_layers (default: max MoE layer + 1)")
+    c.add_argument("--codec", default="ctx-ans", help="routing codec (default ctx-ans)")
+    c.add_argument("--column-order", default="engine", choices=["engine", "sorted"])
+    c.add_argument("--layer-group", type=int, default=4, help="MoE layers per section")
+    c.set_defaults(func=_cmd_convert)
+    x = sub.add_parser("export", help="decode one sample of a sidecar to .npy")
+    x.add_argument("sidecar")
+    x.add_argument("--sample", required=True)
+    x.add_argument("--out", required=True)
+    x.add_argument("--full-layers", action="store_true",
+                   help="[T, num_hidden_layers, top_k] with dense layers zero-filled (vLLM "
+                        "layout) instead of [T, L_moe, top_k]")
+    x.set_defaults(func=_cmd_export)
     return p
 
 

@@ -36,7 +36,9 @@ from routereplay.record import RoutingRecord
 from routereplay.schema import RoutingSchema
 
 MAGIC = b"\x89RRSC\r\n\x1a"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+READABLE_VERSIONS = (1, 2)                     # v1: dict sections, every meta key present
+COLUMN_ORDERS = ("engine", "sorted")
 FRAME_MAGIC = b"RRFM"
 TRAILER_MAGIC = b"RRSCEND\x00"
 KIND_RECORD = 1
@@ -48,6 +50,7 @@ _TRAILER = struct.Struct("<Q8s")
 MAX_JSON_BYTES = 64 << 20                      # header / meta JSON bound (bytes)
 MAX_FRAME_BYTES = 1 << 32                      # payload bound (bytes), 4 GiB
 DEFAULT_LAYER_GROUP = 4                        # MoE layers per routing section (partial-read unit)
+MAX_TOKENS = 1 << 24                           # routing rows per record (format limit)
 
 
 def _crc(b: bytes) -> int:
@@ -59,9 +62,9 @@ def _crc(b: bytes) -> int:
 
 def encode_header(schema: RoutingSchema, codec: str = _codec.DEFAULT_CODEC,
                   extra: dict[str, Any] | None = None,
-                  layer_group: int = DEFAULT_LAYER_GROUP) -> bytes:
+                  layer_group: int = DEFAULT_LAYER_GROUP, column_order: str = "engine") -> bytes:
     """Stream header bytes for ``schema`` (FORMAT.md "Header")."""
-    meta = {"schema": schema.to_dict(), "codec": codec, "column_order": "engine",
+    meta = {"schema": schema.to_dict(), "codec": codec, "column_order": column_order,
             "layer_group": layer_group}
     if extra:
         meta["extra"] = extra
@@ -75,34 +78,36 @@ def encode_frame(kind: int, payload: bytes) -> bytes:
     return hdr + struct.pack("<I", _crc(hdr)) + payload
 
 
+_META_DEFAULTS: dict[str, Any] = {"start": 0, "prompt_len": None, "weight_versions": [],
+                                  "recomputed": [], "prefix_cached": [], "engine": ""}
+
+
 def encode_record_payload(record: RoutingRecord, schema: RoutingSchema,
                           codec: str = _codec.DEFAULT_CODEC,
-                          layer_group: int = DEFAULT_LAYER_GROUP) -> bytes:
-    """Record frame payload: u32 meta_len, meta JSON, then the section blobs."""
-    sections: list[dict[str, Any]] = []
+                          layer_group: int = DEFAULT_LAYER_GROUP,
+                          column_order: str = "engine") -> bytes:
+    """Record frame payload: u32 meta_len, meta JSON, then the section blobs (FORMAT.md).
+
+    Meta keys equal to their default are left out; sections are
+    ``[name, codec, length, a, b]`` arrays laid back to back in list order.
+    ``column_order="sorted"`` stores each row in ascending expert order.
+    """
+    sections: list[list[Any]] = []
     blobs: list[bytes] = []
-    offset = 0
-
-    def add(name: str, blob: bytes, **info: Any) -> None:
-        nonlocal offset
-        sections.append({"name": name, "offset": offset, "length": len(blob), **info})
-        blobs.append(blob)
-        offset += len(blob)
-
-    t = record.num_tokens
-    cctx = zstandard.ZstdCompressor(level=3)
+    ids = np.sort(record.ids, axis=-1) if column_order == "sorted" else record.ids
     for l0 in range(0, schema.num_moe_layers, layer_group):
         l1 = min(l0 + layer_group, schema.num_moe_layers)
-        add("routing", _codec.encode(record.ids[:, l0:l1], codec),
-            codec=codec, layers=[l0, l1], shape=[t, l1 - l0, schema.top_k])
+        blobs.append(_codec.encode(ids[:, l0:l1], codec, schema.num_experts))
+        sections.append(["routing", codec, len(blobs[-1]), l0, l1])
     if record.token_ids is not None:
         tok = np.ascontiguousarray(record.token_ids, dtype="<i4")
-        add("token_ids", cctx.compress(tok.tobytes()), codec="zstd", dtype="int32",
-            shape=[int(tok.shape[0])])
+        blobs.append(zstandard.ZstdCompressor(level=3).compress(tok.tobytes()))
+        sections.append(["token_ids", "zstd", len(blobs[-1]), int(tok.shape[0])])
     if record.logprobs is not None:
         lp = np.ascontiguousarray(record.logprobs, dtype="<f4")
-        add("logprobs", lp.tobytes(), codec="raw", dtype="float32", shape=[int(lp.shape[0])])
-    meta = record.meta()
+        blobs.append(lp.tobytes())
+        sections.append(["logprobs", "raw", len(blobs[-1]), int(lp.shape[0])])
+    meta = {k: v for k, v in record.meta().items() if _META_DEFAULTS.get(k, ...) != v}
     meta["sections"] = sections
     js = json.dumps(meta, sort_keys=True, separators=(",", ":")).encode()
     return struct.pack("<I", len(js)) + js + b"".join(blobs)
@@ -123,7 +128,12 @@ class SidecarWriter:
             so this is the unit of partial reads by layer (e.g. one pipeline stage).
         background: encode and write on a background thread (default). The queue holds
             at most ``max_queue`` records; :meth:`write` blocks when it is full.
-        fsync: "close" (default) fsyncs local files on close; "frame" after every frame.
+        fsync: "close" (default) fsyncs local files on close; "frame" after every frame;
+            "never" leaves it to the OS.
+        codec: routing codec (routereplay.codec.CODECS); default ``ctx-ans``.
+        column_order: "engine" (default: top-k columns exactly as the engine returned
+            them) or "sorted" (canonical: each row in ascending expert id; declared in the
+            header, coded with ``ctx-ans-sorted``, smaller by about log2(top_k!) bits a row).
 
     Every frame is flushed to the OS as soon as it is written, so a killed writer loses at
     most the frame in flight (a torn tail, which readers detect and skip).
@@ -132,15 +142,21 @@ class SidecarWriter:
     def __init__(self, dest: str | os.PathLike | BinaryIO | None, schema: RoutingSchema, *,
                  codec: str = _codec.DEFAULT_CODEC, background: bool = True, max_queue: int = 64,
                  fsync: str = "close", extra_header: dict[str, Any] | None = None,
-                 layer_group: int = DEFAULT_LAYER_GROUP):
+                 layer_group: int = DEFAULT_LAYER_GROUP, column_order: str = "engine"):
+        if column_order not in COLUMN_ORDERS:
+            raise ValueError(f"column_order must be one of {COLUMN_ORDERS}")
+        if column_order == "sorted" and codec == "ctx-ans":
+            codec = "ctx-ans-sorted"
         if codec not in _codec.CODECS:
             raise ValueError(f"unknown codec {codec!r}")
+        if codec == "ctx-ans-sorted" and column_order != "sorted":
+            raise ValueError("codec 'ctx-ans-sorted' needs column_order='sorted'")
         if fsync not in ("close", "frame", "never"):
             raise ValueError("fsync must be 'close', 'frame' or 'never'")
         if layer_group < 1:
             raise ValueError("layer_group must be >= 1")
         self.schema, self.codec, self._fsync = schema, codec, fsync
-        self.layer_group = layer_group
+        self.layer_group, self.column_order = layer_group, column_order
         self._own = True
         self._fsspec_file = None
         if dest is None:
@@ -159,7 +175,7 @@ class SidecarWriter:
         self._closed = False
         self._error: BaseException | None = None
         self._bytes_written = 0
-        self._emit(encode_header(schema, codec, extra_header, layer_group))
+        self._emit(encode_header(schema, codec, extra_header, layer_group, column_order))
         self._q: queue.Queue | None = None
         if background:
             self._q = queue.Queue(maxsize=max_queue)
@@ -177,6 +193,9 @@ class SidecarWriter:
         """
         self._check_open()
         record.validate(self.schema)
+        if record.num_tokens > MAX_TOKENS:
+            raise RecordError(f"sample {record.sample_id!r}: {record.num_tokens} routing rows, "
+                              f"above the sidecar format's limit of {MAX_TOKENS}")
         if record.sample_id in self._ids:
             raise RecordError(f"sample {record.sample_id!r} already written to this stream")
         self._ids.add(record.sample_id)
@@ -247,7 +266,8 @@ class SidecarWriter:
         self._bytes_written += len(b)
 
     def _write_now(self, record: RoutingRecord) -> None:
-        payload = encode_record_payload(record, self.schema, self.codec, self.layer_group)
+        payload = encode_record_payload(record, self.schema, self.codec, self.layer_group,
+                                        self.column_order)
         self._index.append((record.sample_id, self._pos))
         self._emit(encode_frame(KIND_RECORD, payload))
         self._f.flush()
@@ -345,9 +365,10 @@ class SidecarReader:
         if len(fixed) < _HEADER_FIXED.size or fixed[:8] != MAGIC:
             raise SidecarError("not a routereplay sidecar (wrong magic)", offset=0)
         _, version, _flags, jlen = _HEADER_FIXED.unpack(fixed)
-        if version != FORMAT_VERSION:
+        if version not in READABLE_VERSIONS:
             raise SidecarError(f"unsupported sidecar format version {version} "
-                               f"(this reader supports {FORMAT_VERSION})", offset=0)
+                               f"(this reader supports {READABLE_VERSIONS})", offset=0)
+        self.version = version
         if jlen > min(MAX_JSON_BYTES, self.size):
             raise SidecarError(f"header length {jlen} exceeds the stream", offset=0)
         js = self._read(_HEADER_FIXED.size, jlen)
@@ -359,6 +380,9 @@ class SidecarReader:
             self.header = json.loads(js)
             self.schema = RoutingSchema.from_dict(self.header["schema"])
             self.codec = str(self.header["codec"])
+            self.column_order = self.header.get("column_order", "engine")
+            if self.column_order not in COLUMN_ORDERS:
+                raise ValueError(f"column_order {self.column_order!r}")
         except (ValueError, KeyError, TypeError, RecursionError) as e:
             raise SidecarError(f"invalid sidecar header: {e!r}"[:500], offset=0) from None
         self._data_start = _HEADER_FIXED.size + jlen + 4
@@ -572,7 +596,8 @@ class SidecarReader:
                     l0, l1 = sec["layers"]
                     hit = [lyr for lyr in range(l0, l1) if lyr in pos]
                     if hit:
-                        ids = _codec.decode(blob, sec["codec"], tuple(sec["shape"]), schema.id_dtype)
+                        ids = _codec.decode(blob, sec["codec"], tuple(sec["shape"]),
+                                            schema.id_dtype, schema.num_experts)
                         parts.append((hit, l0, ids))
                 elif arrays and sec["name"] in ("token_ids", "logprobs"):
                     extra[sec["name"]] = _decode_array(blob, sec)
@@ -625,8 +650,40 @@ def _parse_meta(payload: bytes, schema: RoutingSchema,
     except (ValueError, RecursionError) as e:
         raise SidecarError(f"record meta is not JSON: {e!r}"[:300], offset=offset) from None
     body = payload[4 + mlen:]
+    meta = _expand_meta(meta, schema, offset)
     _validate_meta(meta, schema, len(body), offset)
     return meta, body
+
+
+def _expand_meta(meta: Any, schema: RoutingSchema, offset: int | None) -> Any:
+    """Fill the defaults a v2 writer leaves out and turn ``[name, codec, length, a, b]``
+    sections into v1-style dicts with offsets and shapes; v1 meta passes through."""
+    if not isinstance(meta, dict):
+        return meta
+    meta = {**{k: (list(v) if isinstance(v, list) else v) for k, v in _META_DEFAULTS.items()},
+            **meta}
+    secs = meta.get("sections")
+    if not isinstance(secs, list) or not all(isinstance(x, list) for x in secs):
+        return meta                                   # v1 dicts, or invalid: validated next
+    out, pos = [], 0
+    for sec in secs:
+        if not (4 <= len(sec) <= 5 and isinstance(sec[0], str) and isinstance(sec[1], str)
+                and all(isinstance(x, int) and not isinstance(x, bool) for x in sec[2:])):
+            sid = meta.get("sample_id")
+            raise SidecarError("invalid record meta" + (f" for sample {sid!r}" if isinstance(sid, str) else "")
+                               + f": bad section {str(sec)[:80]}", offset=offset,
+                               sample_id=sid if isinstance(sid, str) else None)
+        name, codec, length = sec[0], sec[1], sec[2]
+        d: dict[str, Any] = {"name": name, "codec": codec, "offset": pos, "length": length}
+        if name == "routing" and len(sec) == 5:
+            d["layers"] = [sec[3], sec[4]]
+            d["shape"] = [meta.get("num_tokens"), sec[4] - sec[3], schema.top_k]
+        else:
+            d["shape"] = list(sec[3:])
+        out.append(d)
+        pos += max(length, 0)
+    meta["sections"] = out
+    return meta
 
 
 def _validate_meta(meta: Any, schema: RoutingSchema, body_len: int, offset: int | None) -> None:
@@ -644,6 +701,8 @@ def _validate_meta(meta: Any, schema: RoutingSchema, body_len: int, offset: int 
             raise bad(f"field {k!r} missing or not {ty.__name__}")
     if meta["num_tokens"] < 0 or meta["start"] < 0:
         raise bad("negative num_tokens or start")
+    if meta["num_tokens"] > MAX_TOKENS:
+        raise bad(f"num_tokens {meta['num_tokens']} above the format's limit {MAX_TOKENS}")
     pl = meta.get("prompt_len")
     if pl is not None and (not isinstance(pl, int) or isinstance(pl, bool) or pl < 0):
         raise bad("prompt_len not a non-negative integer")

@@ -43,6 +43,31 @@ def test_demo_bf16_engine_vs_fp32_trainer(tmp_path):
     assert res["vllm_b64_bytes_per_token_layer"] < res["sglang_b64_bytes_per_token_layer"]
     assert all(g > 0 for g in res["router_grad_norms"])
     assert "no replay" in stdout and "replay" in stdout and "SGLang base64 int32" in stdout
+    _check_codec_on_captured_routing(res["sidecar"])
+
+
+def _check_codec_on_captured_routing(sidecar):
+    """On routing the real engine captured: ctx-ans is lossless and smaller than zstd-19 on
+    the same uint8 arrays (each record coded on its own, as the sidecar does)."""
+    import numpy as np
+    import zstandard
+
+    from routereplay import codec
+    from routereplay.sidecar import SidecarReader
+    with SidecarReader(sidecar) as r:
+        assert r.header["codec"] == "ctx-ans"
+        recs = [x.ids for x in r.records(arrays=False)]
+        e = r.schema.num_experts
+    ours = z19 = 0
+    for ids in recs:
+        blob = codec.encode(ids, "ctx-ans", e)
+        np.testing.assert_array_equal(codec.decode(blob, "ctx-ans", ids.shape, ids.dtype, e), ids)
+        ours += len(blob)
+        lm = np.ascontiguousarray(ids.transpose(1, 0, 2)).tobytes()
+        z19 += len(zstandard.ZstdCompressor(level=19).compress(lm))
+    # NOTE: the tiny model routes almost uniformly (random router), so the gain is mostly
+    # exclusion within a row: measured 0.944 of zstd-19 on the default demo.
+    assert ours < 0.97 * z19, (ours, z19)
 
 
 def test_demo_router_numerics_only(tmp_path):

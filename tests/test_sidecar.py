@@ -224,3 +224,95 @@ def test_deeply_nested_json_is_our_error(schema):
     blob = struct.pack("<8sHHI", sc.MAGIC, 1, 0, len(js)) + js + struct.pack("<I", sc._crc(js))
     with pytest.raises(SidecarError):
         SidecarReader(blob)
+
+
+_KILL_CHILD = r"""
+import sys, time
+from routereplay.schema import RoutingSchema
+from routereplay.sidecar import SidecarWriter
+from tests.conftest import random_record
+
+class HalfThenHang:
+    # writes the 4th record frame half way, tells the parent, then hangs (to be SIGKILLed)
+    def __init__(self, path):
+        self.f = open(path, "wb"); self.frames = 0
+    def write(self, b):
+        if b[:4] == b"RRFM":
+            self.frames += 1
+            if self.frames == 4:
+                self.f.write(b[:len(b) // 2]); self.f.flush()
+                print("MID", flush=True); time.sleep(600)
+        self.f.write(b)
+    def flush(self):
+        self.f.flush()
+
+schema = RoutingSchema(4, (1, 2, 3), 4, 16)
+w = SidecarWriter(HalfThenHang(sys.argv[1]), schema, max_queue=2)
+for i in range(6):
+    w.write(random_record(schema, f"k{i}", 40, i))
+time.sleep(600)
+"""
+
+
+def test_writer_killed_mid_frame_keeps_every_complete_frame(tmp_path, schema):
+    """A real writer process (background thread, bounded queue) is SIGKILLed while a frame
+    is half written: every complete frame is recovered and the torn tail reported."""
+    import signal
+    import subprocess
+    import sys
+    path = tmp_path / "killed.rrsc"
+    script = tmp_path / "child.py"
+    script.write_text(_KILL_CHILD)
+    env = {**os.environ, "PYTHONPATH": os.path.dirname(os.path.dirname(os.path.abspath(__file__)))}
+    proc = subprocess.Popen([sys.executable, str(script), str(path)], stdout=subprocess.PIPE,
+                            text=True, env=env)
+    try:
+        assert proc.stdout.readline().strip() == "MID"
+        proc.send_signal(signal.SIGKILL)
+        assert proc.wait(timeout=30) == -signal.SIGKILL
+    finally:
+        proc.kill()
+    r = SidecarReader(str(path))
+    assert r.sample_ids() == ["k0", "k1", "k2"]
+    assert r.torn_tail is not None and "torn tail" in r.errors[0]
+    for i in range(3):
+        _assert_same(random_record(schema, f"k{i}", 40, i), r.read(f"k{i}"))
+
+
+def test_reads_format_version_1(schema):
+    """A v1 stream (every meta key present, sections as objects) still reads."""
+    import json
+    rec = random_record(schema, "old", 30, 5)
+    body = sc._codec.encode(rec.ids, "zstd-lm")
+    meta = {**rec.meta(), "sections": [{"name": "routing", "offset": 0, "length": len(body),
+                                        "shape": [rec.num_tokens, 3, 4], "codec": "zstd-lm",
+                                        "layers": [0, 3]}]}
+    js = json.dumps(meta).encode()
+    hjs = json.dumps({"schema": schema.to_dict(), "codec": "zstd-lm", "column_order": "engine",
+                      "layer_group": 4}).encode()
+    data = (struct.pack("<8sHHI", sc.MAGIC, 1, 0, len(hjs)) + hjs + struct.pack("<I", sc._crc(hjs))
+            + sc.encode_frame(sc.KIND_RECORD, struct.pack("<I", len(js)) + js + body))
+    r = SidecarReader(data)
+    assert r.version == 1
+    got = r.read("old")
+    np.testing.assert_array_equal(got.ids, rec.ids)
+    assert got.weight_versions == rec.weight_versions and got.engine == "test"
+
+
+def test_sorted_column_order_stream(schema):
+    recs = _records(schema, 2)
+    data = write_records(None, schema, recs, column_order="sorted").getvalue()
+    r = SidecarReader(data)
+    assert r.column_order == "sorted" and r.header["codec"] == "ctx-ans-sorted"
+    np.testing.assert_array_equal(r.read("r1").ids, np.sort(recs[1].ids, axis=-1))
+    with pytest.raises(ValueError, match="column_order"):
+        SidecarWriter(None, schema, codec="ctx-ans-sorted")
+
+
+def test_compact_meta_is_small(schema):
+    rec = random_record(schema, "m", 30, 1)
+    payload = sc.encode_record_payload(rec, schema)
+    mlen = struct.unpack("<I", payload[:4])[0]
+    meta = payload[4:4 + mlen]
+    assert b'"start"' not in meta and b'"recomputed"' not in meta and b'"offset"' not in meta
+    assert mlen < 200, meta

@@ -44,7 +44,7 @@ def make_llm(model: str, *, dtype: str = "bfloat16", seed: int = 0, max_model_le
 
 
 def rollout(llm, prompts: list[str], sidecar: str, *, max_tokens: int = 48, seed: int = 0,
-            temperature: float = 1.0, sample_prefix: str = "s") -> dict:
+            temperature: float = 1.0, sample_prefix: str = "s", codec: str = "ctx-ans") -> dict:
     """Generate one completion per prompt and stream every record into ``sidecar``.
 
     Returns:
@@ -60,7 +60,8 @@ def rollout(llm, prompts: list[str], sidecar: str, *, max_tokens: int = 48, seed
     outs = llm.generate(prompts, sp, use_tqdm=False)
     gen_s = time.perf_counter() - t0
     vllm_b = sglang_b = rows = 0
-    with SidecarWriter(sidecar, schema, extra_header={"engine": f"vllm {VLLM_VERSION}"}) as w:
+    with SidecarWriter(sidecar, schema, codec=codec,
+                       extra_header={"engine": f"vllm {VLLM_VERSION}"}) as w:
         for i, o in enumerate(outs):
             rec = record_from_output(o, schema, sample_id=f"{sample_prefix}{i}",
                                      engine=f"vllm {VLLM_VERSION}")
@@ -83,13 +84,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--max-tokens", type=int, default=48)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--codec", default="ctx-ans", help="routing codec of the sidecar")
     a = p.parse_args(argv)
     with open(a.prompts) as f:
         prompts = json.load(f)
     t0 = time.perf_counter()
     llm = make_llm(a.model, dtype=a.dtype, seed=a.seed)
     start_s = time.perf_counter() - t0
-    summary = rollout(llm, prompts, a.sidecar, max_tokens=a.max_tokens, seed=a.seed)
+    summary = rollout(llm, prompts, a.sidecar, max_tokens=a.max_tokens, seed=a.seed,
+                      codec=a.codec)
     summary["engine_start_s"] = start_s
     summary["dtype"] = a.dtype
     with open(a.summary, "w") as f:

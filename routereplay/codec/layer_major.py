@@ -1,13 +1,9 @@
-"""Routing codecs: turn one layer group of a record's ids into bytes and back.
+"""Layer-major codecs ``raw-lm`` and ``zstd-lm`` (docs/FORMAT.md "Routing codecs").
 
-A codec works on ``ids: uint8|uint16 [T, L_g, top_k]`` (one group of MoE layers) and is
-named by a short string stored in each section's metadata (see docs/FORMAT.md):
-
-- ``"zstd-lm"``: transpose to layer-major ``[L_g, T, top_k]``, little-endian id dtype,
-  zstd-compressed. Layer-major puts each layer's token-to-token repetition next to itself,
-  which zstd's match finder exploits; top-k column order is preserved exactly.
-
-Decoders check sizes before allocating: a forged size can never cause a huge allocation.
+Transpose ``ids [T, L_g, top_k]`` to layer-major ``[L_g, T, top_k]`` (so each layer's
+token-to-token repetition sits together) and store it raw or as one zstd frame. Kept as the
+fast general-purpose fallback and to read streams written with them; ``ctx-ans``
+(routereplay.codec.context) is smaller.
 """
 from __future__ import annotations
 
@@ -16,27 +12,15 @@ import zstandard
 
 from routereplay.errors import SidecarError
 
-DEFAULT_CODEC = "zstd-lm"
-CODECS = ("zstd-lm", "raw-lm")
-_ZSTD_LEVEL = 3
+ZSTD_LEVEL = 3
 
 
-def encode(ids: np.ndarray, codec: str = DEFAULT_CODEC, level: int = _ZSTD_LEVEL) -> bytes:
-    """Encode ids [T, L_g, top_k] (uint8 or uint16) with ``codec``.
-
-    Returns:
-        the section bytes.
-    Raises:
-        ValueError: unknown codec or wrong dtype.
-    """
-    if ids.dtype not in (np.uint8, np.uint16):
-        raise ValueError(f"ids must be uint8 or uint16, got {ids.dtype}")
+def encode(ids: np.ndarray, codec: str, level: int = ZSTD_LEVEL) -> bytes:
+    """ids: uint8|uint16 [T, L_g, top_k] -> section bytes (``raw-lm`` or ``zstd-lm``)."""
     lm = np.ascontiguousarray(ids.transpose(1, 0, 2)).astype(ids.dtype.newbyteorder("<"), copy=False)
     if codec == "raw-lm":
         return lm.tobytes()
-    if codec == "zstd-lm":
-        return zstandard.ZstdCompressor(level=level).compress(lm.tobytes())
-    raise ValueError(f"unknown codec {codec!r}; known: {CODECS}")
+    return zstandard.ZstdCompressor(level=level).compress(lm.tobytes())
 
 
 def bounded_zstd_decompress(data: bytes, nbytes: int, chunk: int = 1 << 20) -> bytes:
@@ -66,22 +50,15 @@ def bounded_zstd_decompress(data: bytes, nbytes: int, chunk: int = 1 << 20) -> b
 
 
 def decode(data: bytes, codec: str, shape: tuple[int, int, int], dtype: np.dtype) -> np.ndarray:
-    """Decode a section back to ids [T, L_g, top_k] of ``dtype``.
-
-    ``shape`` is (T, L_g, top_k) from the frame metadata.
+    """Section bytes -> ids [T, L_g, top_k] of ``dtype``.
 
     Raises:
-        SidecarError: unknown codec, or the decoded size does not match ``shape``.
+        SidecarError: the decoded size does not match ``shape``.
     """
     dtype = np.dtype(dtype).newbyteorder("<")
     t, lg, k = shape
     nbytes = t * lg * k * dtype.itemsize
-    if codec == "raw-lm":
-        raw = data
-    elif codec == "zstd-lm":
-        raw = bounded_zstd_decompress(data, nbytes)
-    else:
-        raise SidecarError(f"unknown routing codec {codec!r}; known: {CODECS}")
+    raw = data if codec == "raw-lm" else bounded_zstd_decompress(data, nbytes)
     if len(raw) != nbytes:
         raise SidecarError(f"routing section decodes to {len(raw)} bytes, metadata says "
                            f"{nbytes} ({t}x{lg}x{k} {dtype.name})")

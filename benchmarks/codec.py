@@ -1,0 +1,187 @@
+"""Routing codecs side by side: bits per token-layer and encode/decode MB/s.
+
+    .venv/bin/python benchmarks/codec.py [--tokens 4096] [--records 2] [--layers 8]
+                                         [--trace SIDECAR | --no-engine]
+
+MB/s are of uint8-equivalent input (T x L x top_k bytes), one thread, best of 3.
+Each record (sample) is coded on its own, as the sidecar does; ours in sections of 4 MoE
+layers (the writer's default layer group).
+
+Traces:
+- synthetic: per layer, a row repeats the previous token's row with probability r, else
+  an ordered top-k is drawn without replacement from a Zipf(s) popularity (s = 0: uniform).
+  Its entropy rate is exact: the mean of -log2 P(row | previous row) under the generator.
+- tiny-model: routing captured by vLLM 0.32 (CPU) from the built-in tiny Qwen3-MoE, from
+  --trace (a sidecar, e.g. the demo's) or, by default, a fresh 32 x 128-token rollout.
+
+The last row is a whole sidecar stream of those records (header, frames, meta, index).
+
+Columns: uniform bound = log2(E!/(E-k)!) (order-preserving, no skew, no repetition);
+H0 = empirical order-0 entropy of each (layer, column), summed over columns; rate = exact
+entropy rate (synthetic only); then each method.
+"""
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import sys
+import tempfile
+import time
+
+import numpy as np
+import zstandard
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from routereplay import codec, wire  # noqa: E402
+from routereplay.record import RoutingRecord  # noqa: E402
+from routereplay.schema import RoutingSchema  # noqa: E402
+from routereplay.sidecar import SidecarReader, write_records  # noqa: E402
+from routereplay.synthetic import routing_trace  # noqa: E402
+
+GROUP = 4
+
+
+def h0(recs):
+    """Empirical order-0 entropy per (layer, column), summed over columns: bits/token-layer."""
+    ids = np.concatenate(recs)
+    t, nl, k = ids.shape
+    tot = 0.0
+    for lyr in range(nl):
+        for j in range(k):
+            c = np.bincount(ids[:, lyr, j].astype(np.int64))
+            c = c[c > 0] / t
+            tot -= (c * np.log2(c)).sum()
+    return tot / nl
+
+
+def _best(fn, n=3):
+    best = float("inf")
+    for _ in range(n):
+        t0 = time.perf_counter()
+        out = fn()
+        best = min(best, time.perf_counter() - t0)
+    return best, out
+
+
+def methods(e):
+    """name -> (encode(rec) -> blob, decode(blob, rec) -> ids)."""
+    def lm(x):
+        return np.ascontiguousarray(x.transpose(1, 0, 2)).tobytes()
+
+    def zstd(level):
+        return (lambda x: zstandard.ZstdCompressor(level=level).compress(x.tobytes()),
+                lambda b, x: np.frombuffer(zstandard.ZstdDecompressor().decompress(b), x.dtype))
+
+    def ours(name):
+        def enc(x):
+            return [codec.encode(np.ascontiguousarray(x[:, l0:l0 + GROUP]), name, e)
+                    for l0 in range(0, x.shape[1], GROUP)]
+
+        def dec(blobs, x):
+            return [codec.decode(b, name, (x.shape[0], min(GROUP, x.shape[1] - i * GROUP), x.shape[2]),
+                                 x.dtype, e) for i, b in enumerate(blobs)]
+        return enc, dec
+    return {
+        "raw uint8": (lambda x: x.tobytes(), lambda b, x: np.frombuffer(b, x.dtype)),
+        "zstd-3": zstd(3),
+        "zstd-19": zstd(19),
+        "SGLang b64 int32": (lambda x: wire.sglang_b64_int32(x),
+                             lambda b, x: np.frombuffer(__import__("base64").b64decode(b), "<i4")),
+        "vLLM b64 .npy": (lambda x: wire.vllm_b64_npy(x), lambda b, x: wire.decode_vllm_b64_npy(b)),
+        "zstd-lm (ours, fast)": (lambda x: codec.encode(x, "zstd-lm"),
+                                 lambda b, x: codec.decode(b, "zstd-lm", x.shape, x.dtype)),
+        "ctx-ans (ours)": ours("ctx-ans"),
+    }
+
+
+def run_trace(name, recs, e, k, rate=None):
+    n_in = sum(x.size for x in recs)
+    rows = sum(x.shape[0] * x.shape[1] for x in recs)
+    bound = math.log2(math.perm(e, k))
+    print(f"\n{name}  (E={e}, top_k={k}, {len(recs)} records, {rows} token-layers)")
+    print(f"  uniform bound {bound:7.3f}   H0 {h0(recs):7.3f}"
+          + (f"   entropy rate {rate:7.3f}" if rate is not None else "") + "   bits per token-layer")
+    print(f"  {'method':<24}{'bits/tok-layer':>15}{'vs zstd-19':>11}"
+          + ("{:>10}".format("vs rate") if rate is not None else "") + f"{'enc MB/s':>10}{'dec MB/s':>10}")
+    res = {}
+    for mname, (enc, dec) in methods(e).items():
+        te, blobs = _best(lambda: [enc(x) for x in recs])
+        td, outs = _best(lambda: [dec(b, x) for b, x in zip(blobs, recs)])
+        for o, x in zip(outs, recs):        # every method must be lossless
+            got = np.concatenate(o, axis=1) if isinstance(o, list) else np.asarray(o).reshape(x.shape)
+            assert np.array_equal(got.astype(np.int64), x.astype(np.int64)), mname
+        size = sum(sum(len(b) for b in bl) if isinstance(bl, list) else len(bl) for bl in blobs)
+        res[mname] = (8 * size / rows, n_in / te / 1e6, n_in / td / 1e6)
+    # the whole routing-only stream: header, frames, compact meta, index, trailer
+    schema = RoutingSchema(recs[0].shape[1], tuple(range(recs[0].shape[1])), k, e)
+    stream = write_records(None, schema, [RoutingRecord(f"s{i}", x) for i, x in enumerate(recs)],
+                           background=False).getvalue()
+    res["sidecar stream (ctx-ans)"] = (8 * len(stream) / rows, float("nan"), float("nan"))
+    z19 = res["zstd-19"][0]
+    for mname, (bits, es, ds) in res.items():
+        print(f"  {mname:<24}{bits:>15.3f}{bits / z19:>10.1%} "
+              + ("{:>9.1%} ".format(bits / rate) if rate is not None else "")
+              + f"{es:>9.1f}{ds:>10.1f}")
+    return res
+
+
+def tiny_trace(args):
+    if args.trace:
+        path = args.trace
+    else:
+        try:
+            import vllm  # noqa: F401
+        except ImportError:
+            print("\n(tiny-model trace skipped: vLLM is not installed; pass --trace SIDECAR)")
+            return None
+        import json
+        from engine_patches.vllm.triton_cpu import engine_env
+        from routereplay.demo.run import _run_stage
+        from routereplay.demo.tiny_model import demo_prompts, ensure_tiny_model
+        work = tempfile.mkdtemp(prefix="routereplay-bench-")
+        path = os.path.join(work, "rollout.rrsc")
+        with open(os.path.join(work, "prompts.json"), "w") as f:
+            json.dump(demo_prompts(32), f)
+        print(f"(running a 32 x 128-token vLLM rollout of the tiny model into {path} ...)",
+              flush=True)
+        _run_stage("vLLM rollout", [
+            sys.executable, "-m", "engine_patches.vllm.rollout", "--model", ensure_tiny_model(),
+            "--prompts", os.path.join(work, "prompts.json"), "--sidecar", path,
+            "--summary", os.path.join(work, "summary.json"), "--dtype", "bfloat16",
+            "--max-tokens", "128", "--seed", "0"], engine_env(), 1200,
+            os.path.join(work, "rollout.log"))
+    with SidecarReader(path) as r:
+        recs = [x.ids for x in r.records(arrays=False)]
+        return r.schema, recs
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--tokens", type=int, default=4096, help="rows per synthetic record")
+    ap.add_argument("--records", type=int, default=2)
+    ap.add_argument("--layers", type=int, default=8)
+    ap.add_argument("--trace", help="sidecar with a captured trace (default: run the rollout)")
+    ap.add_argument("--no-engine", action="store_true", help="synthetic traces only")
+    a = ap.parse_args()
+    rng = np.random.default_rng(0)
+    print("bits per token-layer (lower is better); MB/s of uint8-equivalent input, one thread")
+    for e, k in ((8, 2), (64, 6), (128, 8), (256, 8)):
+        for skew, rep in ((0.0, 0.0), (1.0, 0.0), (1.0, 0.5), (1.0, 0.9)):
+            recs, rates = [], []
+            for _ in range(a.records):
+                x, rate = routing_trace(rng, a.tokens, a.layers, e, k, rep, skew)
+                recs.append(x)
+                rates.append(rate)
+            label = "uniform" if skew == 0 else f"Zipf({skew:g})"
+            run_trace(f"synthetic {label}, repeat r={rep}", recs, e, k, float(np.mean(rates)))
+    if not a.no_engine:
+        got = tiny_trace(a)
+        if got is not None:
+            schema, recs = got
+            run_trace("tiny-model (vLLM capture)", recs, schema.num_experts, schema.top_k)
+
+
+if __name__ == "__main__":
+    main()

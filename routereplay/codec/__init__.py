@@ -1,0 +1,63 @@
+"""Routing codecs: one layer group of a record's ids to bytes and back.
+
+A codec works on ``ids: uint8|uint16 [T, L_g, top_k]`` (one group of MoE layers) and is
+named by a short string stored in each routing section's metadata (docs/FORMAT.md):
+
+- ``ctx-ans`` (default): our context model (repeat flags, popularity ranks with
+  exclusion, adaptive per-layer counts) driving constriction's rANS coder. Column order
+  preserved. See routereplay.codec.context.
+- ``ctx-ans-sorted``: the same for streams declared ``column_order: "sorted"``.
+- ``zstd-lm`` / ``raw-lm``: layer-major bytes, zstd-compressed or raw (fast fallback).
+
+Decoders never allocate from a size they have not checked against real data.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from routereplay.codec import context, layer_major
+from routereplay.codec.layer_major import bounded_zstd_decompress
+from routereplay.errors import SidecarError
+
+DEFAULT_CODEC = "ctx-ans"
+CODECS = ("ctx-ans", "ctx-ans-sorted", "zstd-lm", "raw-lm")
+
+__all__ = ["CODECS", "DEFAULT_CODEC", "encode", "decode", "bounded_zstd_decompress"]
+
+
+def encode(ids: np.ndarray, codec: str = DEFAULT_CODEC, num_experts: int | None = None) -> bytes:
+    """Encode ids [T, L_g, top_k] (uint8 or uint16) with ``codec``.
+
+    ``num_experts`` (logical routed experts) is required by the ``ctx-ans`` codecs.
+
+    Raises:
+        ValueError: unknown codec, wrong dtype, or ids the codec cannot represent (out of
+            range, a repeated expert in a row, unsorted rows for ``ctx-ans-sorted``).
+    """
+    if ids.dtype not in (np.uint8, np.uint16):
+        raise ValueError(f"ids must be uint8 or uint16, got {ids.dtype}")
+    if codec in ("raw-lm", "zstd-lm"):
+        return layer_major.encode(ids, codec)
+    if codec in ("ctx-ans", "ctx-ans-sorted"):
+        if num_experts is None:
+            raise ValueError(f"codec {codec!r} needs num_experts")
+        return context.encode(ids, num_experts, sorted_rows=codec == "ctx-ans-sorted")
+    raise ValueError(f"unknown codec {codec!r}; known: {CODECS}")
+
+
+def decode(data: bytes, codec: str, shape: tuple[int, int, int], dtype: np.dtype,
+           num_experts: int | None = None) -> np.ndarray:
+    """Decode a section back to ids [T, L_g, top_k] of ``dtype``.
+
+    ``shape`` is (T, L_g, top_k) from the frame metadata.
+
+    Raises:
+        SidecarError: unknown codec, or the bytes do not decode to ``shape``.
+    """
+    if codec in ("raw-lm", "zstd-lm"):
+        return layer_major.decode(data, codec, shape, dtype)
+    if codec in ("ctx-ans", "ctx-ans-sorted"):
+        if num_experts is None:
+            raise SidecarError(f"codec {codec!r} needs num_experts")
+        return context.decode(data, shape, dtype, num_experts, sorted_rows=codec == "ctx-ans-sorted")
+    raise SidecarError(f"unknown routing codec {codec!r}; known: {CODECS}")

@@ -1,0 +1,91 @@
+"""Exact static categorical models on constriction's rANS stack (docs/FORMAT.md "ANS").
+
+Our context model (routereplay.codec.context) hands out integer weights; this module turns
+them into frequencies that sum to 2**PRECISION, in integer arithmetic only, so an
+independent decoder reproduces every model bit for bit. The entropy coder itself is
+constriction's ``AnsCoder`` (32-bit words, 64-bit state, precision 24), whose decoding
+step FORMAT.md restates.
+
+NOTE: constriction's ``Categorical(p, perfect=False)`` quantizes float probabilities with
+cdf[i] = floor(sum(p[:i]) * (2**24 - n) / sum(p)) + i. We pass p = f - 1, integers that
+already sum to 2**24 - n, so the scale is exactly 1.0, every partial sum is exact in
+float64, and the model's frequencies are exactly our ``f``.
+"""
+from __future__ import annotations
+
+import constriction
+import numpy as np
+
+from routereplay.errors import SidecarError
+
+PRECISION = 24
+TOTAL = 1 << PRECISION
+END_MARKER = 0xA5            # 8-bit symbol decoded last; proves the section was read whole
+_MARKER_MODEL = None
+
+
+def frequencies(weights: np.ndarray) -> np.ndarray:
+    """Integer weights int64 [..., n] (n >= 2, each >= 1) -> frequencies int64 [..., n],
+    each row summing to 2**24.
+
+    f_i = floor(u_i * (2**24 - n) / U) + 1 with U = sum(u); the remainder
+    2**24 - sum(f) goes to the first index of the largest weight. Every f_i >= 1.
+    """
+    u = np.asarray(weights, dtype=np.int64)
+    n = u.shape[-1]
+    free = TOTAL - n
+    w = (u * free) // u.sum(axis=-1, keepdims=True)
+    top = np.argmax(u, axis=-1)[..., None]
+    np.put_along_axis(w, top, np.take_along_axis(w, top, -1) + free - w.sum(-1, keepdims=True), -1)
+    return w + 1
+
+
+def model(weights: np.ndarray):
+    """constriction Categorical whose frequencies are exactly ``frequencies(weights)``."""
+    return constriction.stream.model.Categorical(
+        (frequencies(weights) - 1).astype(np.float64), perfect=False)
+
+
+def marker_model():
+    global _MARKER_MODEL
+    if _MARKER_MODEL is None:
+        _MARKER_MODEL = model(np.ones(256, dtype=np.int64))
+    return _MARKER_MODEL
+
+
+class Decoder:
+    """Pops symbol blocks off one section's ANS stack, in the order they were listed.
+
+    Raises SidecarError (never another exception) on a malformed section: a length that is
+    not a whole number of u32 words, a last word of zero, a stack that runs dry before the
+    symbols the metadata promises, or words left over after the end marker.
+    """
+
+    def __init__(self, data: bytes):
+        if len(data) % 4 or not data:
+            raise SidecarError(f"ANS section of {len(data)} bytes is not a whole, non-empty "
+                               "number of u32 words")
+        words = np.frombuffer(data, dtype="<u4").astype(np.uint32)
+        if words[-1] == 0:
+            raise SidecarError("ANS section ends in a zero word")
+        self._coder = constriction.stream.stack.AnsCoder(words)
+
+    def decode(self, count: int, weights: np.ndarray, where: str) -> np.ndarray:
+        """``count`` symbols int32 [count] under the model of ``weights``."""
+        if count == 0:
+            return np.zeros(0, dtype=np.int32)
+        if self._empty():
+            raise SidecarError(f"ANS section ends early, at {where}")
+        return self._coder.decode(model(weights), count)
+
+    def _empty(self) -> bool:
+        # NOTE: state 0 and every word consumed (num_words counts both); constriction's
+        # is_empty() looks at the state only, which garbage can zero with words left.
+        return self._coder.num_words() == 0
+
+    def finish(self) -> None:
+        """Check the end marker and that no word is left."""
+        if self._empty() or int(self._coder.decode(marker_model(), 1)[0]) != END_MARKER \
+                or not self._empty():
+            raise SidecarError("ANS section does not end where its metadata says "
+                               "(end marker missing or words left over)")

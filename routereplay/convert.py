@@ -1,0 +1,213 @@
+"""Routing arrays from other containers and engine wire formats -> records.
+
+Input kinds (``routereplay convert --from KIND``):
+
+- ``npy``: arrays ``[T, L, top_k]`` of integer expert ids, with L = L_moe (MoE layers
+  only) or L = num_hidden_layers (dense layers are then dropped). One sample per ``.npy``
+  file (sample id = file stem), per key of an ``.npz`` (sample id = key), or per such file
+  in a folder (sorted by name).
+- ``vllm``: the same containers holding vLLM 0.32 ``CompletionOutput.routed_experts``
+  arrays, ``[T, num_hidden_layers, top_k]`` with dense layers zero-filled.
+- ``vllm-b64``: text, one sample per line: vLLM's OpenAI-server field ``routed_experts``
+  (base64 of ``np.save`` bytes), either bare or inside a JSON object (a completion
+  response with ``choices[*].routed_experts``, or ``{"id": ..., "routed_experts": ...}``).
+- ``sglang-b64``: text, one sample per line: SGLang's ``meta_info.routed_experts``
+  (base64 of flat little-endian int32, ``[T, num_hidden_layers, top_k]``), bare or inside
+  a JSON object (``{"meta_info": {"id": ..., "routed_experts": ...}}`` or
+  ``{"id": ..., "routed_experts": ...}``).
+
+Bare lines get the sample id ``<file stem>-<line number>`` (1-based). Nothing is
+unpickled: ``.npy``/``.npz`` are loaded with ``allow_pickle=False``.
+"""
+from __future__ import annotations
+
+import base64
+import binascii
+import io
+import json
+import os
+import zipfile
+from typing import Iterator, Sequence
+
+import numpy as np
+
+from routereplay.errors import RecordError, SchemaError
+from routereplay.record import RoutingRecord
+from routereplay.schema import RoutingSchema
+
+KINDS = ("npy", "vllm", "vllm-b64", "sglang-b64")
+MAX_LINE_BYTES = 1 << 30          # one JSON/base64 line (bytes)
+
+
+def schema_from_args(config: str | None = None, num_experts: int | None = None,
+                     top_k: int | None = None, moe_layers: Sequence[int] | None = None,
+                     num_layers: int | None = None) -> RoutingSchema:
+    """Schema from an HF config (folder or config.json) or from explicit numbers.
+
+    Without a config, ``num_experts`` and ``top_k`` are required; ``moe_layers`` (decoder
+    layer indices) defaults to every layer of ``num_layers``; ``num_layers`` defaults to
+    ``max(moe_layers) + 1``.
+
+    Raises:
+        SchemaError: neither a config nor num_experts/top_k, or an inconsistent layout.
+    """
+    if config is not None:
+        return RoutingSchema.from_hf_config(config)
+    if num_experts is None or top_k is None:
+        raise SchemaError("give --config (HF config folder or json) or --num-experts and --top-k")
+    if moe_layers is None and num_layers is None:
+        raise SchemaError("give --moe-layers or --num-layers with --num-experts/--top-k")
+    moe = list(moe_layers) if moe_layers is not None else list(range(int(num_layers)))
+    n = int(num_layers) if num_layers is not None else max(moe) + 1
+    return RoutingSchema(num_hidden_layers=n, moe_layer_ids=tuple(moe), top_k=int(top_k),
+                         num_experts=int(num_experts))
+
+
+def parse_layers(spec: str) -> list[int]:
+    """'1,2,5-7' -> [1, 2, 5, 6, 7] (decoder layer indices)."""
+    out: list[int] = []
+    for part in spec.split(","):
+        part = part.strip()
+        if not part:
+            continue
+        if "-" in part:
+            a, b = part.split("-", 1)
+            out.extend(range(int(a), int(b) + 1))
+        else:
+            out.append(int(part))
+    return out
+
+
+def to_record(sample_id: str, arr: np.ndarray, schema: RoutingSchema, *,
+              full_layout: bool | None = None) -> RoutingRecord:
+    """Integer ids [T, L, top_k] -> RoutingRecord with ids [T, L_moe, top_k] (schema dtype).
+
+    ``full_layout``: True if L is num_hidden_layers (dense layers dropped), False if L is
+    L_moe, None to decide from L.
+
+    Raises:
+        RecordError: wrong shape or dtype, or an id outside [0, num_experts) (checked before
+            narrowing, so a wrapped id is never hidden), naming sample, token and layer.
+    """
+    if not isinstance(arr, np.ndarray) or arr.ndim != 3 or arr.dtype.kind not in "iu":
+        raise RecordError(f"sample {sample_id!r}: expected an integer array [T, L, top_k], got "
+                          f"{getattr(arr, 'dtype', type(arr))} {getattr(arr, 'shape', '')}")
+    t, nl, k = arr.shape
+    if full_layout is None:
+        full_layout = nl == schema.num_hidden_layers and nl != schema.num_moe_layers
+    layer_ids = list(schema.moe_layer_ids)
+    want = schema.num_hidden_layers if full_layout else schema.num_moe_layers
+    if nl != want or k != schema.top_k:
+        raise RecordError(
+            f"sample {sample_id!r}: routing array has shape {tuple(arr.shape)}, expected "
+            f"[T, {want} ({'num_hidden_layers' if full_layout else 'MoE layers'}), "
+            f"top_k={schema.top_k}]")
+    moe = arr[:, layer_ids] if full_layout else arr
+    bad = (moe < 0) | (moe >= schema.num_experts)
+    if bad.any():
+        ti, li, ki = (int(x) for x in np.argwhere(bad)[0])
+        raise RecordError(f"sample {sample_id!r}, token {ti}, layer {layer_ids[li]}: expert id "
+                          f"{int(moe[ti, li, ki])} outside [0, {schema.num_experts})")
+    rec = RoutingRecord(sample_id=sample_id, ids=np.ascontiguousarray(moe.astype(schema.id_dtype)))
+    rec.validate(schema)
+    return rec
+
+
+def iter_arrays(path: str) -> Iterator[tuple[str, np.ndarray]]:
+    """(sample_id, array) from an .npy, an .npz, or a folder of them."""
+    if os.path.isdir(path):
+        names = sorted(n for n in os.listdir(path) if n.endswith((".npy", ".npz")))
+        if not names:
+            raise RecordError(f"{path}: folder holds no .npy or .npz files")
+        for n in names:
+            yield from iter_arrays(os.path.join(path, n))
+        return
+    stem = os.path.splitext(os.path.basename(path))[0]
+    try:
+        if path.endswith(".npz"):
+            with np.load(path, allow_pickle=False) as z:
+                for key in z.files:
+                    yield key, z[key]
+        else:
+            yield stem, np.load(path, allow_pickle=False)
+    except (ValueError, OSError, zipfile.BadZipFile, EOFError) as e:
+        raise RecordError(f"{path}: not a readable .npy/.npz array file ({e})") from None
+
+
+def iter_b64(path: str, kind: str, schema: RoutingSchema) -> Iterator[tuple[str, np.ndarray]]:
+    """(sample_id, array [T, num_hidden_layers, top_k]) per line of a vllm-b64 / sglang-b64 file."""
+    stem = os.path.splitext(os.path.basename(path))[0]
+    with open(path, "rb") as f:
+        for lineno, line in enumerate(f, 1):
+            line = line.strip()
+            if not line:
+                continue
+            if len(line) > MAX_LINE_BYTES:
+                raise RecordError(f"{path}:{lineno}: line longer than {MAX_LINE_BYTES} bytes")
+            default_id = f"{stem}-{lineno}"
+            for sid, b64 in _payloads(line, default_id, f"{path}:{lineno}"):
+                yield sid, _decode_b64(b64, kind, schema, sid)
+
+
+def _payloads(line: bytes, default_id: str, where: str) -> list[tuple[str, str | bytes]]:
+    if not line.startswith(b"{"):
+        return [(default_id, line)]
+    try:
+        obj = json.loads(line)
+    except (ValueError, RecursionError) as e:
+        raise RecordError(f"{where}: not JSON: {e!r}"[:300]) from None
+    if not isinstance(obj, dict):
+        raise RecordError(f"{where}: expected a JSON object")
+    if isinstance(obj.get("choices"), list):                       # OpenAI-style response
+        rid = str(obj.get("id", default_id))
+        out = []
+        for i, ch in enumerate(obj["choices"]):
+            if not isinstance(ch, dict) or not isinstance(ch.get("routed_experts"), str):
+                raise RecordError(f"{where}: choice {i} of {rid!r} has no routed_experts (start "
+                                  "the server with --enable-return-routed-experts)")
+            idx = ch.get("index", i)
+            out.append((rid if len(obj["choices"]) == 1 else f"{rid}-{idx}", ch["routed_experts"]))
+        return out
+    src = obj.get("meta_info") if isinstance(obj.get("meta_info"), dict) else obj
+    b64 = src.get("routed_experts")
+    sid = src.get("id", obj.get("id", obj.get("sample_id", default_id)))
+    if not isinstance(b64, str):
+        raise RecordError(f"{where}: sample {sid!r} has no routed_experts string (is capture on? "
+                          "vLLM: --enable-return-routed-experts; SGLang: "
+                          "--enable-return-routed-experts and return_routed_experts=True)")
+    return [(str(sid), b64)]
+
+
+def _decode_b64(b64: str | bytes, kind: str, schema: RoutingSchema, sid: str) -> np.ndarray:
+    try:
+        raw = base64.b64decode(b64, validate=True)
+    except (binascii.Error, ValueError) as e:
+        raise RecordError(f"sample {sid!r}: routed_experts is not base64 ({e})") from None
+    if kind == "vllm-b64":
+        try:
+            arr = np.load(io.BytesIO(raw), allow_pickle=False)
+        except (ValueError, OSError, EOFError) as e:
+            raise RecordError(f"sample {sid!r}: routed_experts is not .npy bytes ({e})") from None
+        return arr
+    per_row = schema.num_hidden_layers * schema.top_k
+    if len(raw) % 4 or (len(raw) // 4) % per_row:
+        raise RecordError(
+            f"sample {sid!r}: {len(raw)} bytes of int32 routing is not a whole number of rows "
+            f"of num_hidden_layers x top_k = {schema.num_hidden_layers} x {schema.top_k}")
+    return np.frombuffer(raw, dtype="<i4").reshape(-1, schema.num_hidden_layers, schema.top_k)
+
+
+def iter_records(kind: str, path: str, schema: RoutingSchema) -> Iterator[RoutingRecord]:
+    """Records of ``path`` read as ``kind`` (see the module docstring).
+
+    Raises:
+        RecordError: unreadable input or a bad sample (named), when reached.
+    """
+    if kind not in KINDS:
+        raise ValueError(f"unknown input kind {kind!r}; known: {KINDS}")
+    if kind in ("npy", "vllm"):
+        for sid, arr in iter_arrays(path):
+            yield to_record(sid, arr, schema, full_layout=True if kind == "vllm" else None)
+    else:
+        for sid, arr in iter_b64(path, kind, schema):
+            yield to_record(sid, arr, schema, full_layout=True)

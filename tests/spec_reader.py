@@ -1,0 +1,164 @@
+"""An independent sidecar reader written from docs/FORMAT.md alone.
+
+Plain Python (struct, zlib, json; zstandard only for RFC 8878 zstd frames), no numpy and
+nothing from routereplay, so it checks the spec against what our writer produces.
+"""
+import json
+import struct
+import zlib
+
+import zstandard
+
+P = 24
+
+
+class Ans:
+    def __init__(self, data):
+        assert len(data) % 4 == 0 and data
+        self.w = list(struct.unpack(f"<{len(data) // 4}I", data))
+        assert self.w[-1] != 0
+        self.r = len(self.w)
+        self.state = self.w[self.r - 1]
+        self.r -= 1
+        if self.r > 0:
+            self.state = (self.state << 32) | self.w[self.r - 1]
+            self.r -= 1
+
+    def empty(self):
+        return self.state == 0 and self.r == 0
+
+    def decode(self, f):
+        assert not self.empty(), "decoding from an empty decoder"
+        q = self.state & ((1 << P) - 1)
+        c = 0
+        for s, fs in enumerate(f):
+            if c <= q < c + fs:
+                break
+            c += fs
+        self.state = (self.state >> P) * f[s] + (q - c)
+        if self.state < (1 << 32) and self.r > 0:
+            self.state = (self.state << 32) | self.w[self.r - 1]
+            self.r -= 1
+        return s
+
+
+def freqs(u):
+    n, total = len(u), sum(u)
+    f = [x * ((1 << P) - n) // total + 1 for x in u]
+    f[u.index(max(u))] += (1 << P) - sum(f)
+    return f
+
+
+def ctx_ans(data, t, g_count, k, e, sorted_rows):
+    a_size = e - k + 1 if sorted_rows else e
+    dec = Ans(data)
+    flags_c = [[0, 0] for _ in range(g_count)]
+    experts_c = [[0] * e for _ in range(g_count)]
+    sym_c = [0] * a_size
+    rows = [[None] * t for _ in range(g_count)]
+    s = 0
+    while s < t:
+        size = 16 if s == 0 else min(s, 4096)
+        end = min(s + size, t)
+        fresh = [[] for _ in range(g_count)]
+        for g in range(g_count):
+            if s == 0:
+                fresh[g].append(0)
+            f = freqs([2 * flags_c[g][0] + 1, 2 * flags_c[g][1] + 1])
+            for row in range(max(s, 1), end):
+                flag = dec.decode(f)
+                flags_c[g][flag] += 1
+                if flag == 0:
+                    fresh[g].append(row)
+                else:
+                    rows[g][row] = "repeat"
+        listed = [(g, row) for g in range(g_count) for row in fresh[g]]
+        n = len(listed)
+        if a_size >= 2:
+            f = freqs([2 * c + 1 for c in sym_c])
+            flat = [dec.decode(f) for _ in range(n * k)]
+        else:
+            flat = [0] * (n * k)
+        orders = [sorted(range(e), key=lambda x: (-experts_c[g][x], x)) for g in range(g_count)]
+        for i, (g, row) in enumerate(listed):
+            y = [flat[j * n + i] for j in range(k)]
+            if sorted_rows:
+                a = [y[0]]
+                for j in range(1, k):
+                    a.append(a[-1] + 1 + y[j])
+            else:
+                a = []
+                for j in range(k):
+                    free = [v for v in range(e) if v not in a]
+                    a.append(free[y[j]])
+            assert max(a) < e
+            ids = [orders[g][v] for v in a]
+            rows[g][row] = sorted(ids) if sorted_rows else ids
+        for g, row in listed:
+            for x in rows[g][row]:
+                experts_c[g][x] += 1
+        for y in flat:
+            sym_c[y] += 1
+        for g in range(g_count):
+            for row in range(s, end):
+                if rows[g][row] == "repeat":
+                    rows[g][row] = list(rows[g][row - 1])
+        s = end
+    assert dec.decode([65536] * 256) == 0xA5 and dec.empty()
+    return [[rows[g][row] for g in range(g_count)] for row in range(t)]    # [T][G][K]
+
+
+def read_stream(data):
+    """-> (header dict, [record dicts with 'routing' as nested lists [T][L_moe][K]])."""
+    assert data[:8] == b"\x89RRSC\r\n\x1a"
+    version, flags, j = struct.unpack("<HHI", data[8:16])
+    assert version in (1, 2)
+    hjs = data[16:16 + j]
+    assert struct.unpack("<I", data[16 + j:20 + j])[0] == zlib.crc32(hjs)
+    header = json.loads(hjs)
+    sch = header["schema"]
+    lmoe, k, e = len(sch["moe_layer_ids"]), sch["top_k"], sch["num_experts"]
+    item = 1 if e <= 256 else 2
+    off, records, index = 20 + j, [], None
+    while off + 24 <= len(data):
+        magic, kind, plen, pcrc, hcrc = struct.unpack("<4sB3xQII", data[off:off + 24])
+        if magic != b"RRFM":
+            break                                         # the trailer
+        assert hcrc == zlib.crc32(data[off:off + 20])
+        payload = data[off + 24:off + 24 + plen]
+        assert zlib.crc32(payload) == pcrc
+        if kind == 2:
+            index = json.loads(payload)
+        elif kind == 1:
+            (mlen,) = struct.unpack("<I", payload[:4])
+            meta = json.loads(payload[4:4 + mlen])
+            body = payload[4 + mlen:]
+            t = meta["num_tokens"]
+            rec = {"sample_id": meta["sample_id"], "start": meta.get("start", 0),
+                   "prompt_len": meta.get("prompt_len"),
+                   "weight_versions": meta.get("weight_versions", []),
+                   "routing": [[None] * lmoe for _ in range(t)]}
+            pos = 0
+            for name, codec, length, *dims in meta["sections"]:
+                blob = body[pos:pos + length]
+                pos += length
+                if name == "routing":
+                    l0, l1 = dims
+                    if codec.startswith("ctx-ans"):
+                        part = ctx_ans(blob, t, l1 - l0, k, e, codec == "ctx-ans-sorted")
+                    else:
+                        raw = blob if codec == "raw-lm" else zstandard.ZstdDecompressor().decompress(blob)
+                        vals = struct.unpack(f"<{len(raw) // item}{'B' if item == 1 else 'H'}", raw)
+                        part = [[list(vals[((g * t) + row) * k:((g * t) + row + 1) * k])
+                                 for g in range(l1 - l0)] for row in range(t)]
+                    for row in range(t):
+                        rec["routing"][row][l0:l1] = part[row]
+                elif name in ("token_ids", "logprobs"):
+                    raw = zstandard.ZstdDecompressor().decompress(blob) if codec == "zstd" else blob
+                    rec[name] = list(struct.unpack(f"<{dims[0]}{'i' if name == 'token_ids' else 'f'}", raw))
+            records.append(rec)
+        off += 24 + plen
+    if index is not None:
+        assert struct.unpack("<8s", data[-8:])[0] == b"RRSCEND\x00"
+        assert [sid for sid, _ in index["records"]] == [r["sample_id"] for r in records]
+    return header, records
