@@ -5,7 +5,7 @@ packages (in subprocesses).
 
     routereplay demo [--model DIR] [--json PATH] [--prompts N] [--max-tokens N] ...
     routereplay inspect SIDECAR [--json]
-    routereplay convert --from {npy,vllm,vllm-b64,sglang-b64} INPUT --out SIDECAR
+    routereplay convert --from {npy,vllm,vllm-b64,sglang-b64,sglang-json} INPUT --out SIDECAR
                         (--config DIR | --num-experts E --top-k K [--moe-layers 1,3-5])
     routereplay export SIDECAR --sample ID --out FILE.npy [--full-layers]
 """
@@ -101,9 +101,14 @@ def _cmd_convert(a: argparse.Namespace) -> int:
     n = tokens = 0
     # NOTE: records are written as they are read; on a bad sample the writer still closes
     # (index + trailer), so every sample before it stays readable.
+    if a.kind == "sglang-json":
+        from engine_patches.sglang.records import iter_jsonl   # lazy: engine side
+        records = iter_jsonl(a.input, schema)
+    else:
+        records = iter_records(a.kind, a.input, schema)
     with SidecarWriter(a.out, schema, codec=a.codec, column_order=a.column_order,
                        layer_group=a.layer_group, extra_header={"source": a.kind}) as w:
-        for rec in iter_records(a.kind, a.input, schema):
+        for rec in records:
             w.write(rec)
             n += 1
             tokens += rec.num_tokens
@@ -158,8 +163,9 @@ def build_parser() -> argparse.ArgumentParser:
     i.set_defaults(func=_cmd_inspect)
     c = sub.add_parser("convert", help="engine routing arrays or wire payloads -> sidecar")
     c.add_argument("--from", dest="kind", required=True,
-                   choices=["npy", "vllm", "vllm-b64", "sglang-b64"])
-    c.add_argument("input", help=".npy / .npz / folder (npy, vllm) or a text/JSONL file (*-b64)")
+                   choices=["npy", "vllm", "vllm-b64", "sglang-b64", "sglang-json"])
+    c.add_argument("input", help=".npy / .npz / folder (npy, vllm), a text/JSONL file (*-b64), "
+                                 "or saved SGLang responses, one JSON object per line (sglang-json)")
     c.add_argument("--out", required=True, help="sidecar path or fsspec URL")
     c.add_argument("--config", help="HF config folder or config.json giving the routing schema")
     c.add_argument("--num-experts", type=int)

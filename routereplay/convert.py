@@ -32,7 +32,7 @@ from typing import Iterator, Sequence
 import numpy as np
 
 from routereplay.errors import RecordError, SchemaError
-from routereplay.record import RoutingRecord
+from routereplay.record import RoutingRecord, checked_moe_ids
 from routereplay.schema import RoutingSchema
 
 KINDS = ("npy", "vllm", "vllm-b64", "sglang-b64")
@@ -86,29 +86,14 @@ def to_record(sample_id: str, arr: np.ndarray, schema: RoutingSchema, *,
     L_moe, None to decide from L.
 
     Raises:
-        RecordError: wrong shape or dtype, or an id outside [0, num_experts) (checked before
-            narrowing, so a wrapped id is never hidden), naming sample, token and layer.
+        RecordError: wrong shape or dtype, or an id outside [0, num_experts), naming
+            sample, token and layer (see routereplay.record.checked_moe_ids).
     """
-    if not isinstance(arr, np.ndarray) or arr.ndim != 3 or arr.dtype.kind not in "iu":
-        raise RecordError(f"sample {sample_id!r}: expected an integer array [T, L, top_k], got "
-                          f"{getattr(arr, 'dtype', type(arr))} {getattr(arr, 'shape', '')}")
-    t, nl, k = arr.shape
     if full_layout is None:
+        nl = arr.shape[1] if isinstance(arr, np.ndarray) and arr.ndim == 3 else None
         full_layout = nl == schema.num_hidden_layers and nl != schema.num_moe_layers
-    layer_ids = list(schema.moe_layer_ids)
-    want = schema.num_hidden_layers if full_layout else schema.num_moe_layers
-    if nl != want or k != schema.top_k:
-        raise RecordError(
-            f"sample {sample_id!r}: routing array has shape {tuple(arr.shape)}, expected "
-            f"[T, {want} ({'num_hidden_layers' if full_layout else 'MoE layers'}), "
-            f"top_k={schema.top_k}]")
-    moe = arr[:, layer_ids] if full_layout else arr
-    bad = (moe < 0) | (moe >= schema.num_experts)
-    if bad.any():
-        ti, li, ki = (int(x) for x in np.argwhere(bad)[0])
-        raise RecordError(f"sample {sample_id!r}, token {ti}, layer {layer_ids[li]}: expert id "
-                          f"{int(moe[ti, li, ki])} outside [0, {schema.num_experts})")
-    rec = RoutingRecord(sample_id=sample_id, ids=np.ascontiguousarray(moe.astype(schema.id_dtype)))
+    rec = RoutingRecord(sample_id=sample_id,
+                        ids=checked_moe_ids(arr, schema, sample_id, full_layout=full_layout))
     rec.validate(schema)
     return rec
 

@@ -171,3 +171,35 @@ def rows_for_positions(record: RoutingRecord, positions: Sequence[int]) -> np.nd
     """Boolean mask [len(positions)]: which token positions have a routing row."""
     p = np.asarray(positions)
     return (p >= record.start) & (p < record.start + record.num_tokens)
+
+
+def checked_moe_ids(arr: np.ndarray, schema: RoutingSchema, sample_id: str, *, start: int = 0,
+                    full_layout: bool = True) -> np.ndarray:
+    """An engine's integer ids -> the record's ids, range-checked before narrowing.
+
+    Args:
+        arr: int [T, num_hidden_layers, top_k] (``full_layout``: vLLM/SGLang layout, dense
+            layers zero-filled) or int [T, L_moe, top_k].
+        start: token position of row 0 (for error messages).
+    Returns:
+        ids of ``schema.id_dtype`` [T, L_moe, top_k], a copy.
+    Raises:
+        RecordError: wrong shape, or an id outside [0, num_experts), naming sample, token
+            position and decoder layer. NOTE: the range is checked before the cast to the
+            id dtype, which would wrap 258 -> 2 and a -1 sentinel -> 255.
+    """
+    want = schema.num_hidden_layers if full_layout else schema.num_moe_layers
+    if not isinstance(arr, np.ndarray) or arr.ndim != 3 or arr.dtype.kind not in "iu" \
+            or arr.shape[1:] != (want, schema.top_k):
+        raise RecordError(
+            f"sample {sample_id!r}: routing array has shape {getattr(arr, 'shape', None)} "
+            f"{getattr(arr, 'dtype', type(arr))}, expected integer [T, {want} "
+            f"({'num_hidden_layers' if full_layout else 'MoE layers'}), top_k={schema.top_k}]")
+    layer_ids = list(schema.moe_layer_ids)
+    moe = arr[:, layer_ids] if full_layout else arr
+    bad = (moe < 0) | (moe >= schema.num_experts)
+    if bad.any():
+        t, l, k = (int(x) for x in np.argwhere(bad)[0])
+        raise RecordError(f"sample {sample_id!r}, token {start + t}, layer {layer_ids[l]}: "
+                          f"expert id {int(moe[t, l, k])} outside [0, {schema.num_experts})")
+    return np.ascontiguousarray(moe.astype(schema.id_dtype))

@@ -47,3 +47,30 @@ def run_py(args: list[str], timeout: float, env: dict | None = None) -> subproce
     """Run ``python args...`` from the repo root with a timeout (fails the test on hang)."""
     return subprocess.run([sys.executable, *args], cwd=REPO, capture_output=True, text=True,
                           timeout=timeout, env=env)
+
+
+def pytest_collection_modifyitems(config, items):
+    """GPU checks run only when asked for (``-m gpu``); otherwise they are deselected and
+    the summary says so (never a silent skip). Selected on a machine without CUDA, they
+    fail (see :func:`require_cuda`)."""
+    if "gpu" in (config.getoption("-m") or ""):
+        return
+    gpu = [i for i in items if "gpu" in i.keywords]
+    if gpu:
+        items[:] = [i for i in items if "gpu" not in i.keywords]
+        config.hook.pytest_deselected(items=gpu)
+        config._routereplay_gpu_deselected = len(gpu)
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config):
+    n = getattr(config, "_routereplay_gpu_deselected", 0)
+    if n:
+        terminalreporter.write_line(f"{n} GPU checks deselected: run `python -m pytest -m gpu` "
+                                    "on a CUDA machine")
+
+
+def require_cuda() -> None:
+    """Fail (not skip) a GPU check on a machine without CUDA."""
+    import torch
+    if not torch.cuda.is_available():
+        pytest.fail("this GPU check was selected (-m gpu) on a machine without CUDA")

@@ -48,9 +48,9 @@ def test_wrong_layer_axis(schema):
 
 def test_vllm_weight_version_spans_map_to_rows():
     pytest.importorskip("vllm", reason="engine extra")
-    from engine_patches.vllm.records import weight_version_rows
+    from routereplay.versions import output_spans_to_rows
     # P=3, G=4: rows are token positions 0..5; output token i comes from row P+i-1
-    spans = weight_version_rows([("v1", 0, 2), ("v2", 2, 4)], prompt_len=3)
+    spans = output_spans_to_rows([("v1", 0, 2), ("v2", 2, 4)], prompt_len=3)
     assert [(s.version, s.start, s.end) for s in spans] == [("v1", 0, 4), ("v2", 4, 6)]
 
 
@@ -70,3 +70,23 @@ def test_vllm_ids_checked_before_narrowing(schema):
     out.outputs[0].routed_experts = None
     with pytest.raises(RecordError, match="--enable-return-routed-experts"):
         record_from_output(out, schema)
+
+
+def test_merge_segments_earlier_wins_and_flags_disagreement(schema):
+    from routereplay.record import RoutingRecord, WeightVersionSpan
+    from routereplay.segments import merge_segments
+    from tests.conftest import random_record
+    full = random_record(schema, "c", 31, 0).ids                    # 30 rows
+    a = RoutingRecord("t1", full[:12].copy(), weight_versions=[WeightVersionSpan("v1", 0, 12)])
+    later = full[8:].copy()
+    later[1] = later[1][:, ::-1]                                     # position 9 recomputed differently
+    b = RoutingRecord("t2", later, start=8, weight_versions=[WeightVersionSpan("v2", 8, 30)],
+                      prefix_cached=[(0, 8)])
+    m = merge_segments([b, a], "conv")
+    np.testing.assert_array_equal(m.ids, full)                       # earlier turn's rows kept
+    assert m.recomputed == [(9, 10)]
+    assert [(s.version, s.start, s.end) for s in m.weight_versions] == [("v1", 0, 12), ("v2", 12, 30)]
+    assert m.prefix_cached == []                                     # t2's cached span lies in t1's rows
+    gap = RoutingRecord("t3", full[20:].copy(), start=20)
+    with pytest.raises(RecordError, match=r"sample 'conv'.*\[\(12, 20\)\]"):
+        merge_segments([a, gap], "conv")

@@ -14,8 +14,9 @@ from typing import Any
 import numpy as np
 
 from routereplay.errors import RecordError
-from routereplay.record import RoutingRecord, WeightVersionSpan
+from routereplay.record import RoutingRecord, checked_moe_ids
 from routereplay.schema import RoutingSchema
+from routereplay.versions import output_spans_to_rows
 
 
 def record_from_output(output: Any, schema: RoutingSchema, *, sample_id: str | None = None,
@@ -52,24 +53,13 @@ def record_from_output(output: Any, schema: RoutingSchema, *, sample_id: str | N
             f"sample {sid!r}: routed_experts has shape {tuple(full.shape)}, expected "
             f"[{n - 1 - start}, {schema.num_hidden_layers}, {schema.top_k}] for "
             f"{len(prompt)} prompt + {len(gen)} generated tokens, start={start}")
-    try:
-        moe = schema.strip_dense(full)
-    except Exception as e:
-        raise RecordError(f"sample {sid!r}: {e}") from None
-    # NOTE: check the range before narrowing to id_dtype: a cast would wrap 258 -> 2 and
-    # a -1 sentinel -> 255, both of which can look valid.
-    bad = (moe < 0) | (moe >= schema.num_experts) if moe.dtype.kind == "i" else moe >= schema.num_experts
-    if bad.any():
-        t, l, k = (int(x) for x in np.argwhere(bad)[0])
-        raise RecordError(f"sample {sid!r}, token {start + t}, layer {schema.moe_layer_ids[l]}: "
-                          f"expert id {int(moe[t, l, k])} outside [0, {schema.num_experts})")
-    ids = moe.astype(schema.id_dtype, copy=False)
+    ids = checked_moe_ids(full, schema, sid, start=start)
     logprobs = None
     if c.logprobs is not None:
         logprobs = np.array([float(d[t].logprob) for d, t in zip(c.logprobs, gen)],
                             dtype=np.float32)
-    spans = weight_version_rows([(str(s.version), int(s.start), int(s.end))
-                                 for s in (c.weight_versions or [])], len(prompt))
+    spans = output_spans_to_rows([(str(s.version), int(s.start), int(s.end))
+                                  for s in (c.weight_versions or [])], len(prompt))
     cached = int(getattr(output, "num_cached_tokens", 0) or 0)
     rec = RoutingRecord(
         sample_id=sid, ids=ids, start=start, prompt_len=len(prompt),
@@ -77,20 +67,3 @@ def record_from_output(output: Any, schema: RoutingSchema, *, sample_id: str | N
         weight_versions=spans, prefix_cached=[(0, cached)] if cached else [], engine=engine)
     rec.validate(schema)
     return rec
-
-
-def weight_version_rows(output_spans: list[tuple[str, int, int]], prompt_len: int
-                        ) -> list[WeightVersionSpan]:
-    """Map vLLM output-token version spans to spans over routing-row token positions.
-
-    Output token i is sampled by the forward pass whose last routed row is token position
-    ``prompt_len + i - 1``; so output span [s, e) covers rows [P + s - 1, P + e - 1). The
-    first span also covers the prompt rows [0, P - 1), prefilled in that same pass.
-
-    Example: P=3, spans v1:[0, 2), v2:[2, 4) -> v1 rows [0, 4), v2 rows [4, 6).
-    """
-    out = []
-    for i, (version, s, e) in enumerate(output_spans):
-        a = 0 if i == 0 else prompt_len + s - 1
-        out.append(WeightVersionSpan(version, a, prompt_len + e - 1))
-    return out

@@ -1,0 +1,254 @@
+"""SGLang responses -> routing records.
+
+Accepted response shapes (SGLang 0.5.23, ``sglang/srt/managers/tokenizer_manager.py`` and
+``entrypoints/openai/serving_completions.py``):
+
+- ``/generate`` (and ``Engine.generate``): ``{"text", "output_ids", "meta_info": {"id",
+  "prompt_tokens", "completion_tokens", "cached_tokens", "weight_version",
+  "weight_versions": [{"version", "start", "end"}], "num_retractions",
+  "routed_experts": base64 int32, "output_token_logprobs": [[logprob, token_id, text]]}}``.
+- OpenAI ``/v1/completions`` and ``/v1/chat/completions``: ``{"id", "choices", "usage":
+  {"prompt_tokens", "completion_tokens", "prompt_tokens_details": {"cached_tokens"}},
+  "metadata": {"weight_version", "weight_versions"}, "sglext": {"routed_experts"}}``
+  (0.5.23 puts ``sglext`` on the response; older releases put ``sgl_ext`` on each choice).
+- Streaming: routing arrives only in the final chunk; see :func:`record_from_stream`.
+
+Rows: ``routed_experts`` covers token positions [start_len, seqlen - 1) with seqlen =
+prompt_tokens + completion_tokens; start_len is the request's ``routed_experts_start_len``
+(inferred from the row count when not given). Dense layers are zero-filled and stripped
+with the schema; fused shared-expert columns (``-1`` padding, or ids >= num_experts) are
+dropped when the payload carries them.
+"""
+from __future__ import annotations
+
+import base64
+import binascii
+from typing import Any, Iterable, Mapping, Sequence
+
+import numpy as np
+
+from routereplay.errors import RecordError
+from routereplay.record import RoutingRecord, checked_moe_ids
+from routereplay.schema import RoutingSchema
+from routereplay.versions import output_spans_to_rows
+
+FLAG_HINT = ("launch the SGLang server with --enable-return-routed-experts (Engine("
+             "enable_return_routed_experts=True)) and send return_routed_experts=True in the "
+             "request (OpenAI endpoints: extra_body)")
+
+
+def _fields(resp: Mapping[str, Any]) -> dict[str, Any]:
+    """Normalise a /generate or OpenAI response to the fields the adapter needs."""
+    if not isinstance(resp, Mapping):
+        raise RecordError(f"SGLang response must be a JSON object, got {type(resp).__name__}")
+    if isinstance(resp.get("meta_info"), Mapping):                          # /generate
+        m = resp["meta_info"]
+        out = {"id": m.get("id"), "routed_experts": m.get("routed_experts"),
+               "prompt_tokens": m.get("prompt_tokens"),
+               "completion_tokens": m.get("completion_tokens"),
+               "cached_tokens": m.get("cached_tokens", 0),
+               "weight_version": m.get("weight_version"),
+               "weight_versions": m.get("weight_versions"),
+               "num_retractions": m.get("num_retractions", 0),
+               "output_ids": resp.get("output_ids"),
+               "output_logprobs": m.get("output_token_logprobs")}
+        if out["completion_tokens"] is None and isinstance(resp.get("output_ids"), list):
+            out["completion_tokens"] = len(resp["output_ids"])
+        return out
+    if isinstance(resp.get("choices"), list):                               # OpenAI
+        usage = resp.get("usage") or {}
+        meta = resp.get("metadata") or {}
+        ext = resp.get("sglext") or {}
+        routed = ext.get("routed_experts") if isinstance(ext, Mapping) else None
+        choices = resp["choices"]
+        if routed is None and choices and isinstance(choices[0], Mapping):
+            ch_ext = choices[0].get("sgl_ext") or {}
+            routed = ch_ext.get("routed_experts") if isinstance(ch_ext, Mapping) else None
+        details = usage.get("prompt_tokens_details") or {}
+        return {"id": resp.get("id"), "routed_experts": routed,
+                "prompt_tokens": usage.get("prompt_tokens"),
+                "completion_tokens": usage.get("completion_tokens"),
+                "cached_tokens": (details.get("cached_tokens") if isinstance(details, Mapping)
+                                  else 0) or 0,
+                "weight_version": meta.get("weight_version"),
+                "weight_versions": meta.get("weight_versions"),
+                "num_retractions": 0, "output_ids": None, "output_logprobs": None}
+    raise RecordError("not an SGLang response: no meta_info (/generate) and no choices (OpenAI)")
+
+
+def _int(v: Any, what: str, rid: str) -> int:
+    if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+        raise RecordError(f"request {rid!r}: {what} missing or not a non-negative integer ({v!r})")
+    return v
+
+
+def decode_routed_experts(b64: str, schema: RoutingSchema, rid: str,
+                          num_fused_shared_experts: int = 0) -> np.ndarray:
+    """SGLang's base64 int32 payload -> int32 [rows, num_hidden_layers, top_k].
+
+    A payload whose rows are top_k + num_fused_shared_experts wide has the extra columns
+    (``-1`` padding or shared-expert ids >= num_experts) dropped.
+
+    Raises:
+        RecordError: not base64, or a length that is not a whole number of rows.
+    """
+    try:
+        raw = base64.b64decode(b64, validate=True)
+    except (binascii.Error, ValueError, TypeError) as e:
+        raise RecordError(f"request {rid!r}: routed_experts is not base64 ({e})") from None
+    n_layers, k = schema.num_hidden_layers, schema.top_k
+    if len(raw) % 4:
+        raise RecordError(f"request {rid!r}: routed_experts holds {len(raw)} bytes, not whole int32")
+    flat = np.frombuffer(raw, dtype="<i4")
+    for width in ([k] + ([k + num_fused_shared_experts] if num_fused_shared_experts else [])):
+        if flat.size % (n_layers * width) == 0:
+            full = flat.reshape(-1, n_layers, width)
+            if width > k:
+                extra = full[..., k:]
+                if not ((extra == -1) | (extra >= schema.num_experts)).all():
+                    raise RecordError(f"request {rid!r}: fused shared-expert columns hold "
+                                      "routed expert ids")
+                full = full[..., :k]
+            return full
+    raise RecordError(
+        f"request {rid!r}: routed_experts holds {flat.size} int32, not a whole number of rows "
+        f"of num_hidden_layers x top_k = {n_layers} x {k}"
+        + (f" (or x {k + num_fused_shared_experts} with fused shared experts)"
+           if num_fused_shared_experts else ""))
+
+
+def record_from_response(resp: Mapping[str, Any], schema: RoutingSchema, *,
+                         start_len: int | None = None, prompt_ids: Sequence[int] | None = None,
+                         sample_id: str | None = None, num_fused_shared_experts: int = 0,
+                         engine: str = "sglang") -> RoutingRecord:
+    """One SGLang response -> a validated RoutingRecord.
+
+    Args:
+        resp: a ``/generate`` or OpenAI response dict (see the module docstring).
+        start_len: the request's ``routed_experts_start_len``; None infers it from the row
+            count (seqlen - 1 - rows).
+        prompt_ids: the request's prompt token ids, to store token_ids (prompt + output).
+        sample_id: record id; default the request id (meta_info ``id``, or the OpenAI
+            response ``id``).
+    Returns:
+        record with ids [seqlen - 1 - start_len, L_moe, top_k] from position start_len;
+        weight-version spans over token positions (output spans mapped as in
+        routereplay.versions; prompt rows take the first span's version; a single
+        ``weight_version`` covers every row); ``recomputed`` = every row when
+        ``num_retractions > 0`` (SGLang re-prefills a retracted request, overwriting its
+        routes with ones computed later, possibly under new weights, while the log-probs
+        of the tokens sampled before the retract came from the old routes);
+        ``prefix_cached`` = [0, cached_tokens).
+    Raises:
+        RecordError: naming the request: routed_experts missing (says which flag), not
+            base64, not whole rows, a row count that does not fit the token counts,
+            start_len greater than the prompt length, ids out of range.
+    """
+    f = _fields(resp)
+    rid = str(f["id"] if f["id"] is not None else sample_id)
+    sid = str(sample_id if sample_id is not None else rid)
+    if not isinstance(f["routed_experts"], str):
+        raise RecordError(f"request {rid!r}: the response has no routed_experts; {FLAG_HINT}")
+    prompt_len = _int(f["prompt_tokens"], "prompt_tokens", rid)
+    gen = _int(f["completion_tokens"], "completion_tokens", rid)
+    seqlen = prompt_len + gen
+    full = decode_routed_experts(f["routed_experts"], schema, rid, num_fused_shared_experts)
+    rows = full.shape[0]
+    if start_len is None:
+        start_len = seqlen - 1 - rows
+    if not 0 <= start_len <= prompt_len:
+        raise RecordError(f"request {rid!r}: routed_experts_start_len {start_len} outside "
+                          f"[0, prompt length {prompt_len}]")
+    if rows != max(0, seqlen - 1 - start_len):
+        raise RecordError(
+            f"request {rid!r}: {rows} routing rows, expected seqlen - 1 - start_len = "
+            f"{seqlen} - 1 - {start_len} = {seqlen - 1 - start_len} ({prompt_len} prompt + "
+            f"{gen} output tokens)")
+    ids = checked_moe_ids(np.ascontiguousarray(full), schema, sid, start=start_len)
+    spans = f["weight_versions"]
+    if isinstance(spans, list) and spans:
+        try:
+            out_spans = [(str(s["version"]), int(s["start"]), int(s["end"])) for s in spans]
+        except (KeyError, TypeError, ValueError):
+            raise RecordError(f"request {rid!r}: bad weight_versions {spans!r}"[:300]) from None
+        versions = output_spans_to_rows(out_spans, prompt_len)
+    elif f["weight_version"] is not None:
+        versions = output_spans_to_rows([(str(f["weight_version"]), 0, gen)], prompt_len)
+    else:
+        versions = []
+    nret = f["num_retractions"] or 0
+    recomputed = [(start_len, start_len + rows)] if nret and rows else []
+    cached = int(f["cached_tokens"] or 0)
+    token_ids = logprobs = None
+    if prompt_ids is not None and isinstance(f["output_ids"], list):
+        token_ids = np.asarray(list(prompt_ids) + list(f["output_ids"]), dtype=np.int32)
+        if len(prompt_ids) != prompt_len:
+            raise RecordError(f"request {rid!r}: {len(prompt_ids)} prompt ids given, the "
+                              f"response says prompt_tokens={prompt_len}")
+    if isinstance(f["output_logprobs"], list) and len(f["output_logprobs"]) == gen:
+        logprobs = np.array([float(x[0]) for x in f["output_logprobs"]], dtype=np.float32)
+    rec = RoutingRecord(sample_id=sid, ids=ids, start=start_len, prompt_len=prompt_len,
+                        token_ids=token_ids, logprobs=logprobs if token_ids is not None else None,
+                        weight_versions=versions, recomputed=recomputed,
+                        prefix_cached=[(0, cached)] if cached else [], engine=engine)
+    rec.validate(schema)
+    return rec
+
+
+def record_from_stream(chunks: Iterable[Mapping[str, Any]], schema: RoutingSchema,
+                       **kw: Any) -> RoutingRecord:
+    """Streamed /generate chunks (or OpenAI stream chunks) -> record.
+
+    Routing arrives only in the final chunk (``meta_info`` of the finishing chunk, or the
+    OpenAI chunk with ``choices: []`` and ``sglext``); token counts are taken from the last
+    chunk that has them.
+
+    Raises:
+        RecordError: no chunk carried routed_experts (names the request and the flags).
+    """
+    last_meta: dict[str, Any] | None = None
+    routed = output_ids = None
+    for ch in chunks:
+        if isinstance(ch.get("meta_info"), Mapping):
+            last_meta = {**(last_meta or {}), **ch["meta_info"]}
+            routed = ch["meta_info"].get("routed_experts") or routed
+            output_ids = ch.get("output_ids", output_ids)
+        elif isinstance(ch.get("sglext"), Mapping) and ch["sglext"].get("routed_experts"):
+            routed = ch["sglext"]["routed_experts"]
+            last_meta = {**(last_meta or {}), "id": ch.get("id")}
+        elif isinstance(ch.get("usage"), Mapping):
+            last_meta = {**(last_meta or {}), "id": ch.get("id"),
+                         "prompt_tokens": ch["usage"].get("prompt_tokens"),
+                         "completion_tokens": ch["usage"].get("completion_tokens")}
+    if last_meta is None:
+        raise RecordError("empty SGLang stream")
+    if routed is None:
+        raise RecordError(f"request {last_meta.get('id')!r}: no chunk of the stream carried "
+                          f"routed_experts (it comes with the final chunk); {FLAG_HINT}")
+    resp = {"meta_info": {**last_meta, "routed_experts": routed}}
+    if output_ids is not None:
+        resp["output_ids"] = output_ids
+    return record_from_response(resp, schema, **kw)
+
+
+def iter_jsonl(path: str, schema: RoutingSchema, **kw: Any):
+    """Records of a file of saved SGLang responses, one JSON object per line (``/generate``
+    or OpenAI); each record's sample id is its request id.
+
+    Raises:
+        RecordError: a line that is not a JSON object, or a bad response (names the file,
+            line and request).
+    """
+    import json
+    with open(path, "rb") as f:
+        for lineno, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                resp = json.loads(line)
+            except (ValueError, RecursionError) as e:
+                raise RecordError(f"{path}:{lineno}: not JSON: {e!r}"[:300]) from None
+            try:
+                yield record_from_response(resp, schema, **kw)
+            except RecordError as e:
+                raise RecordError(f"{path}:{lineno}: {e}") from None

@@ -1,0 +1,267 @@
+"""SGLang adapter, client and weight sync, on payloads produced by SGLang 0.5.23's own code
+(tests/fixtures/sglang/make_fixtures.py) and a loopback HTTP server speaking SGLang's API."""
+import base64
+import json
+import os
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import numpy as np
+import pytest
+
+from engine_patches.sglang.client import SGLangRoutingClient, next_start, with_routing
+from engine_patches.sglang.records import record_from_response, record_from_stream
+from engine_patches.sglang.weight_sync import (FromDisk, FromDistributed, FromTensor,
+                                               SGLangWeightSync, WeightSyncError)
+from routereplay.errors import RecordError
+from routereplay.schema import RoutingSchema
+from routereplay.segments import merge_segments
+from routereplay.sidecar import SidecarReader, SidecarWriter
+from tests.conftest import run_py
+
+FIX = json.load(open(os.path.join(os.path.dirname(__file__), "fixtures", "sglang",
+                                  "sglang_0.5.23_payloads.json")))
+SCHEMA = RoutingSchema.from_hf_config(FIX["config"])          # 4 layers, layer 0 dense, 8 x top-2
+CASES = FIX["cases"]
+
+
+def _truth(name, start=0):
+    return np.array(CASES[name]["truth"])[start:, list(SCHEMA.moe_layer_ids)]
+
+
+def _rec(name, **kw):
+    c = CASES[name]
+    return record_from_response(c["response"], SCHEMA, prompt_ids=c["prompt_ids"], **kw)
+
+
+@pytest.mark.parametrize("name", ["basic", "prefix_hit", "start_len", "turn1", "turn2",
+                                  "update_in_place", "retract", "openai"])
+def test_records_match_the_routing_the_model_used(name):
+    c = CASES[name]
+    start = c["request"].get("routed_experts_start_len", 0)
+    rec = record_from_response(c["response"], SCHEMA)            # start_len inferred
+    assert rec.start == start
+    np.testing.assert_array_equal(rec.ids, _truth(name, start))
+    assert rec.ids.dtype == np.uint8 and rec.ids.shape[1] == 3   # dense layer 0 stripped
+    np.testing.assert_array_equal(record_from_response(c["response"], SCHEMA, start_len=start).ids,
+                                  rec.ids)
+
+
+def test_prefix_hit_rows_come_from_the_cache():
+    rec, base = _rec("prefix_hit"), _rec("basic")
+    assert rec.prefix_cached == [(0, 4)]
+    np.testing.assert_array_equal(rec.ids[:4], base.ids[:4])
+    assert rec.token_ids.tolist() == CASES["prefix_hit"]["prompt_ids"] + \
+        CASES["prefix_hit"]["response"]["output_ids"]
+
+
+def test_multi_turn_segments_rebuild_the_conversation():
+    t1 = _rec("turn1")
+    t2 = _rec("turn2", start_len=next_start(t1))
+    assert (t1.start, t1.num_tokens, t2.start) == (0, 7, 7)
+    conv = merge_segments([t2, t1], "conv")
+    np.testing.assert_array_equal(conv.ids, _truth("turn2"))     # the whole conversation
+    assert conv.start == 0 and conv.recomputed == [] and conv.prompt_len == 11
+    assert conv.token_ids.tolist() == CASES["turn2"]["prompt_ids"] + [94, 95, 96]
+
+
+def test_weight_version_spans_cover_prompt_and_output_rows():
+    rec = _rec("update_in_place")          # P=4, output spans v1 [0, 2), v2 [2, 5)
+    assert [(s.version, s.start, s.end) for s in rec.weight_versions] == [("v1", 0, 5), ("v2", 5, 8)]
+    assert rec.recomputed == []
+    assert [(s.version, s.start, s.end) for s in _rec("basic").weight_versions] == [("v1", 0, 9)]
+
+
+def test_retracted_request_is_flagged_recomputed():
+    rec = _rec("retract")
+    assert CASES["retract"]["response"]["meta_info"]["num_retractions"] == 1
+    assert rec.recomputed == [(0, 7)]
+
+
+def test_openai_response_and_stream():
+    rec = record_from_response(CASES["openai"]["response"], SCHEMA)
+    assert rec.sample_id == "cmpl-oa1" and rec.weight_versions[0].version == "v1"
+    resp = CASES["basic"]["response"]
+    meta = dict(resp["meta_info"])
+    routed = meta.pop("routed_experts")
+    chunks = [{"text": "", "output_ids": resp["output_ids"][:i], "meta_info": {**meta, "completion_tokens": i}}
+              for i in range(1, 4)]
+    chunks.append({"text": "", "output_ids": resp["output_ids"], "meta_info": {**meta, "routed_experts": routed}})
+    s = record_from_stream(chunks, SCHEMA)
+    np.testing.assert_array_equal(s.ids, _truth("basic"))
+    with pytest.raises(RecordError, match="final chunk.*--enable-return-routed-experts"):
+        record_from_stream(chunks[:-1], SCHEMA)
+
+
+def test_fused_shared_expert_columns():
+    f = FIX["fused_shared"]
+    schema = RoutingSchema.from_hf_config(f["config"])        # DeepSeek-like: layer 0 dense
+    rec = record_from_response(f["response"], schema, num_fused_shared_experts=1)
+    np.testing.assert_array_equal(rec.ids, np.array(f["truth"])[:, 1:])
+    # an older layout that still carries the -1-padded shared column
+    full = np.array(f["truth"], dtype="<i4")
+    wide = np.concatenate([full, np.full(full.shape[:2] + (1,), -1, "<i4")], axis=2)
+    resp = json.loads(json.dumps(f["response"]))
+    resp["meta_info"]["routed_experts"] = base64.b64encode(wide.tobytes()).decode()
+    np.testing.assert_array_equal(
+        record_from_response(resp, schema, num_fused_shared_experts=1).ids, rec.ids)
+    wide[0, 1, 2] = 3                                          # a routed id in the shared column
+    resp["meta_info"]["routed_experts"] = base64.b64encode(wide.tobytes()).decode()
+    with pytest.raises(RecordError, match="req-fused.*shared-expert columns"):
+        record_from_response(resp, schema, num_fused_shared_experts=1)
+
+
+def _with_payload(name, arr=None, raw=None, **meta):
+    resp = json.loads(json.dumps(CASES[name]["response"]))
+    if arr is not None:
+        raw = np.ascontiguousarray(arr, dtype="<i4").tobytes()
+    if raw is not None:
+        resp["meta_info"]["routed_experts"] = base64.b64encode(raw).decode()
+    resp["meta_info"].update(meta)
+    return resp
+
+
+def test_bad_payloads_name_the_request():
+    truth = np.array(CASES["basic"]["truth"], dtype="<i4")
+    with pytest.raises(RecordError, match="req-basic.*not a whole number of rows of num_hidden_layers x top_k = 4 x 2"):
+        record_from_response(_with_payload("basic", raw=truth.tobytes()[:-4]), SCHEMA)
+    bad = truth.copy()
+    bad[5, 2, 1] = 8
+    with pytest.raises(RecordError, match="req-basic'?, token 5, layer 2: expert id 8 outside"):
+        record_from_response(_with_payload("basic", bad), SCHEMA)
+    with pytest.raises(RecordError, match="req-off.*--enable-return-routed-experts.*return_routed_experts=True"):
+        record_from_response(CASES["flag_off"]["response"], SCHEMA)
+    with pytest.raises(RecordError, match="req-basic.*start_len 7 outside \\[0, prompt length 6\\]"):
+        record_from_response(CASES["basic"]["response"], SCHEMA, start_len=7)
+    with pytest.raises(RecordError, match="'req-basic': 9 routing rows, expected"):
+        record_from_response(CASES["basic"]["response"], SCHEMA, start_len=2)
+    with pytest.raises(RecordError, match="req-basic.*not base64"):
+        record_from_response(_with_payload("basic", raw=None, routed_experts="@@@"), SCHEMA)
+
+
+def test_convert_sglang_json_and_export(tmp_path):
+    lines = [CASES[n]["response"] for n in ("basic", "start_len", "update_in_place", "openai")]
+    src = tmp_path / "responses.jsonl"
+    src.write_text("\n".join(json.dumps(x) for x in lines) + "\n")
+    (tmp_path / "model").mkdir()
+    (tmp_path / "model" / "config.json").write_text(json.dumps(FIX["config"]))
+    out = tmp_path / "s.rrsc"
+    p = run_py(["-m", "routereplay.cli", "convert", "--from", "sglang-json", str(src), "--out",
+                str(out), "--config", str(tmp_path / "model")], timeout=120)
+    assert p.returncode == 0, p.stderr
+    r = SidecarReader(str(out))
+    assert r.sample_ids() == ["req-basic", "req-start_len", "req-update_in_place", "cmpl-oa1"]
+    assert r.read("req-start_len").start == 3
+    p = run_py(["-m", "routereplay.cli", "export", str(out), "--sample", "req-start_len", "--out",
+                str(tmp_path / "x.npy")], timeout=120)
+    assert p.returncode == 0, p.stderr
+    np.testing.assert_array_equal(np.load(tmp_path / "x.npy"), _truth("start_len", 3))
+    src.write_text(json.dumps(CASES["basic"]["response"]) + "\n" +
+                   json.dumps(CASES["flag_off"]["response"]) + "\n")
+    p = run_py(["-m", "routereplay.cli", "convert", "--from", "sglang-json", str(src), "--out",
+                str(out), "--config", str(tmp_path / "model")], timeout=120)
+    assert p.returncode == 2 and "responses.jsonl:2: request 'req-off'" in p.stderr
+    assert SidecarReader(str(out)).sample_ids() == ["req-basic"]
+
+
+class _FakeSGLang(BaseHTTPRequestHandler):
+    """Implements the request/response fields of SGLang 0.5.23's HTTP API that we call."""
+    calls: list = []
+    fail: dict = {}
+    running = 0
+
+    def log_message(self, *a):
+        pass
+
+    def _reply(self, code, obj):
+        body = json.dumps(obj).encode() if not isinstance(obj, str) else obj.encode()
+        self.send_response(code)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def do_POST(self):
+        n = int(self.headers.get("Content-Length") or 0)
+        body = json.loads(self.rfile.read(n)) if n else None
+        path, _, query = self.path.partition("?")
+        type(self).calls.append((path, body, query))
+        if path in self.fail:
+            return self._reply(*self.fail[path])
+        if path == "/generate":
+            assert body["return_routed_experts"] is True
+            return self._reply(200, CASES["basic"]["response"])
+        if path == "/pause_generation":
+            assert body["mode"] in ("abort", "retract", "in_place")
+            return self._reply(200, {"message": "Generation paused successfully.", "status": "ok"})
+        if path == "/continue_generation":
+            return self._reply(200, {"message": "Generation continued successfully.", "status": "ok"})
+        if path.startswith("/update_weights_from_"):
+            assert {"weight_version", "flush_cache", "abort_all_requests"} <= set(body)
+            return self._reply(200, {"success": True, "message": "ok", "num_paused_requests": 0})
+        if path == "/update_weight_version":
+            return self._reply(200, {"success": True, "message": f"Weight version updated to "
+                                     f"{body['new_version']}", "new_version": body["new_version"]})
+        if path == "/flush_cache":
+            return self._reply(200, "Cache flushed.")
+        return self._reply(404, {"error": path})
+
+
+@pytest.fixture
+def sglang_server():
+    _FakeSGLang.calls, _FakeSGLang.fail = [], {}
+    srv = ThreadingHTTPServer(("127.0.0.1", 0), _FakeSGLang)
+    th = threading.Thread(target=srv.serve_forever, daemon=True)
+    th.start()
+    yield f"http://127.0.0.1:{srv.server_address[1]}"
+    srv.shutdown()
+
+
+def test_client_streams_records_into_a_sidecar(sglang_server):
+    w = SidecarWriter(None, SCHEMA)
+    client = SGLangRoutingClient(sglang_server, SCHEMA, w)
+    payload = {"input_ids": CASES["basic"]["prompt_ids"], "sampling_params": {"max_new_tokens": 4}}
+    resp, rec = client.generate(payload)
+    w.close()
+    path, body, _ = _FakeSGLang.calls[-1]
+    assert path == "/generate" and body["routed_experts_start_len"] == 0
+    assert with_routing({"prompt": "x"}, 5) == {"prompt": "x", "return_routed_experts": True,
+                                                 "routed_experts_start_len": 5}
+    got = SidecarReader(w.getvalue()).read("req-basic")
+    np.testing.assert_array_equal(got.ids, _truth("basic"))
+    assert got.token_ids.tolist()[:6] == CASES["basic"]["prompt_ids"]
+
+
+@pytest.mark.parametrize("mode,source,want", [
+    ("abort", FromDisk("/ckpt/step2"), ["/pause_generation", "/update_weights_from_disk",
+                                        "/continue_generation"]),
+    ("keep", FromTensor(["AAAA"]), ["/pause_generation", "/update_weights_from_tensor",
+                                    "/continue_generation", "/flush_cache"]),
+    ("wait", FromDistributed(["w"], ["bfloat16"], [[2, 2]]), ["/update_weights_from_distributed"]),
+    ("abort", None, ["/pause_generation", "/update_weight_version", "/continue_generation",
+                     "/flush_cache"]),
+])
+def test_weight_sync_sequences(sglang_server, mode, source, want):
+    calls = SGLangWeightSync(sglang_server).sync(source, "v2", mode=mode)
+    assert calls == want == [c[0] for c in _FakeSGLang.calls]
+    sent = dict((c[0], c[1]) for c in _FakeSGLang.calls)
+    if mode != "wait":
+        assert sent["/pause_generation"]["mode"] == {"abort": "abort", "keep": "in_place"}[mode]
+    upd = [b for p, b in sent.items() if p.startswith("/update_weights_from_")]
+    if upd:
+        assert upd[0]["weight_version"] == "v2"
+        assert upd[0]["flush_cache"] is (mode != "keep")     # keep: flushed after resume
+    if "/flush_cache" in sent:
+        assert [c[2] for c in _FakeSGLang.calls if c[0] == "/flush_cache"] == ["timeout=60"]
+
+
+def test_weight_sync_failure_resumes_and_names_the_step(sglang_server):
+    _FakeSGLang.fail = {"/update_weights_from_disk": (400, {"success": False,
+                                                            "message": "shape mismatch"})}
+    with pytest.raises(WeightSyncError, match="failed at update_weights.*HTTP 400.*shape mismatch"):
+        SGLangWeightSync(sglang_server).sync(FromDisk("/bad"), "v3", mode="abort")
+    assert [c[0] for c in _FakeSGLang.calls][-1] == "/continue_generation"
+    with pytest.raises(ValueError, match="retract.*allow_retract"):
+        SGLangWeightSync(sglang_server).sync(FromDisk("/x"), "v3", mode="retract")
+    _FakeSGLang.fail = {}
+    calls = SGLangWeightSync(sglang_server).sync(FromDisk("/x"), "v3", mode="retract", allow_retract=True)
+    assert calls[0] == "/pause_generation" and _FakeSGLang.calls[-3][1]["mode"] == "retract"
