@@ -8,6 +8,7 @@ packages (in subprocesses).
     routereplay convert --from {npy,vllm,vllm-b64,sglang-b64,sglang-json} INPUT --out SIDECAR
                         (--config DIR | --num-experts E --top-k K [--moe-layers 1,3-5])
     routereplay export SIDECAR --sample ID --out FILE.npy [--full-layers]
+    routereplay verify SIDECAR --model DIR [--trainer hf|megatron] [--json P] [--plot P.png]
 """
 from __future__ import annotations
 
@@ -98,6 +99,16 @@ def _cmd_convert(a: argparse.Namespace) -> int:
     from routereplay.sidecar import SidecarWriter
     schema = schema_from_args(a.config, a.num_experts, a.top_k,
                               parse_layers(a.moe_layers) if a.moe_layers else None, a.num_layers)
+    local = "://" not in a.out
+    if local and os.path.exists(a.out) and os.path.exists(a.input) and (
+            os.path.samefile(a.out, a.input) or (os.path.isdir(a.input) and os.path.samefile(
+                os.path.dirname(os.path.abspath(a.out)), a.input))):
+        raise RouteReplayError(f"refusing to write {a.out}: it is (inside) the input {a.input}")
+    if not os.path.exists(a.input):
+        raise RouteReplayError(f"input {a.input} does not exist")
+    # NOTE: write next to the target and rename at the end, so a failed conversion never
+    # truncates an existing file at --out before any input was read.
+    dest = a.out + ".partial" if local else a.out
     n = tokens = 0
     # NOTE: records are written as they are read; on a bad sample the writer still closes
     # (index + trailer), so every sample before it stays readable.
@@ -106,13 +117,20 @@ def _cmd_convert(a: argparse.Namespace) -> int:
         records = iter_jsonl(a.input, schema)
     else:
         records = iter_records(a.kind, a.input, schema)
-    with SidecarWriter(a.out, schema, codec=a.codec, column_order=a.column_order,
-                       layer_group=a.layer_group, extra_header={"source": a.kind}) as w:
-        for rec in records:
-            w.write(rec)
-            n += 1
-            tokens += rec.num_tokens
-    size = os.path.getsize(a.out) if "://" not in a.out else w.bytes_written
+    try:
+        with SidecarWriter(dest, schema, codec=a.codec, column_order=a.column_order,
+                           layer_group=a.layer_group, extra_header={"source": a.kind}) as w:
+            for rec in records:
+                w.write(rec)
+                n += 1
+                tokens += rec.num_tokens
+    finally:
+        if local and os.path.exists(dest):
+            if n:
+                os.replace(dest, a.out)     # every sample before a bad one is kept
+            else:
+                os.remove(dest)
+    size = os.path.getsize(a.out) if local else w.bytes_written
     rows = tokens * schema.num_moe_layers
     print(f"wrote {n} records, {tokens} tokens, {size} bytes"
           + (f", {8 * size / rows:.3f} bits per token-layer" if rows else "") + f" -> {a.out}")
@@ -137,6 +155,54 @@ def _cmd_export(a: argparse.Namespace) -> int:
         np.save(f, ids, allow_pickle=False)
     print(f"sample {a.sample!r}: {ids.shape[0]} tokens from position {rec.start}, "
           f"array {list(ids.shape)} {ids.dtype} -> {a.out}")
+    return 0
+
+
+def _cmd_verify(a: argparse.Namespace) -> int:
+    import numpy as np
+
+    from routereplay import verify
+    from routereplay.errors import AlignmentError
+    from routereplay.schema import RoutingSchema
+    from routereplay.sidecar import SidecarReader
+    schema = RoutingSchema.from_hf_config(a.model)
+    with SidecarReader(a.sidecar) as r:
+        schema.check_same(r.schema, what=f"sidecar {os.path.basename(a.sidecar)}")
+        records = list(r.records())
+    for rec in records:
+        if rec.token_ids is None or rec.logprobs is None or rec.prompt_len is None:
+            raise AlignmentError(f"sample {rec.sample_id!r}: the sidecar holds no token ids, "
+                                 "prompt length or engine log-probs to verify against")
+    if a.limit:
+        records = records[:a.limit]
+    if a.trainer == "hf":
+        from trainer_hooks.hf.verify import recompute          # lazy: trainer side
+        passes = recompute(a.model, records, schema, progress=not a.no_progress)
+    else:
+        import subprocess
+        import tempfile
+        with tempfile.TemporaryDirectory() as tmp:
+            raw = os.path.join(tmp, "raw.npz")
+            cmd = [sys.executable, "-m", "trainer_hooks.megatron.recompute", "--model", a.model,
+                   "--sidecar", a.sidecar, "--out", os.path.join(tmp, "r.json"), "--raw", raw]
+            if a.limit:
+                cmd += ["--limit", str(a.limit)]
+            p = subprocess.run(cmd, capture_output=True, text=True, timeout=a.timeout)
+            if p.returncode != 0:
+                raise RouteReplayError(f"megatron-core recompute failed: {p.stderr[-2000:]}")
+            with np.load(raw, allow_pickle=False) as z:
+                passes = {c: [(z[f"{c}_lp"][j], z[f"{c}_used"][j]) for j in range(len(records))]
+                          for c in verify.CONDITIONS}
+    summary = verify.summarize(records, passes)
+    print(verify.format_report(summary))
+    if a.json:
+        out = {k: v for k, v in summary.items() if k != "deltas"}
+        out.update({"trainer": a.trainer, "model": a.model, "sidecar": a.sidecar})
+        with open(a.json, "w") as f:
+            json.dump(out, f, indent=2)
+    if a.plot:
+        verify.plot(summary, a.plot)
+        print(f"plot: {a.plot}")
     return 0
 
 
@@ -184,6 +250,19 @@ def build_parser() -> argparse.ArgumentParser:
                    help="[T, num_hidden_layers, top_k] with dense layers zero-filled (vLLM "
                         "layout) instead of [T, L_moe, top_k]")
     x.set_defaults(func=_cmd_export)
+    v = sub.add_parser("verify", help="log-prob mismatch and routing agreement, with and "
+                                      "without replay, of a rollout sidecar")
+    v.add_argument("sidecar")
+    v.add_argument("--model", required=True, help="HF checkpoint folder of the rollout's weights")
+    v.add_argument("--trainer", choices=["hf", "megatron"], default="hf",
+                   help="hf: transformers reference replay (default); megatron: megatron-core "
+                        "RouterReplay (Qwen3-MoE)")
+    v.add_argument("--json", help="write the metrics here")
+    v.add_argument("--plot", help="write a PNG: delta logp distributions, per-layer agreement")
+    v.add_argument("--limit", type=int, help="only the first N samples")
+    v.add_argument("--no-progress", action="store_true")
+    v.add_argument("--timeout", type=float, default=3600, help="megatron subprocess timeout (s)")
+    v.set_defaults(func=_cmd_verify)
     return p
 
 
@@ -191,7 +270,9 @@ def main(argv: list[str] | None = None) -> int:
     a = build_parser().parse_args(argv)
     try:
         return a.func(a)
-    except RouteReplayError as e:
+    except (RouteReplayError, OSError, ValueError) as e:
+        # NOTE: OSError/ValueError here are bad paths or arguments (missing files, an
+        # unknown codec, a bad --moe-layers): a message, not a traceback.
         print(f"routereplay {a.cmd}: error: {e}", file=sys.stderr)
         return 2
 

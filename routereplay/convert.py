@@ -27,7 +27,7 @@ import io
 import json
 import os
 import zipfile
-from typing import Iterator, Sequence
+from typing import BinaryIO, Iterator, Sequence
 
 import numpy as np
 
@@ -58,6 +58,8 @@ def schema_from_args(config: str | None = None, num_experts: int | None = None,
     if moe_layers is None and num_layers is None:
         raise SchemaError("give --moe-layers or --num-layers with --num-experts/--top-k")
     moe = list(moe_layers) if moe_layers is not None else list(range(int(num_layers)))
+    if not moe:
+        raise SchemaError("no MoE layers given (--moe-layers is empty)")
     n = int(num_layers) if num_layers is not None else max(moe) + 1
     return RoutingSchema(num_hidden_layers=n, moe_layer_ids=tuple(moe), top_k=int(top_k),
                          num_experts=int(num_experts))
@@ -98,6 +100,31 @@ def to_record(sample_id: str, arr: np.ndarray, schema: RoutingSchema, *,
     return rec
 
 
+def load_npy(f: BinaryIO, size: int, what: str) -> np.ndarray:
+    """One ``.npy`` array from ``f`` (``size`` bytes available), never unpickling and never
+    allocating more than the bytes that are really there.
+
+    Raises:
+        RecordError: not .npy, an object dtype, or a header claiming more data than present.
+    """
+    try:
+        version = np.lib.format.read_magic(f)
+        if version == (1, 0):
+            shape, _, dtype = np.lib.format.read_array_header_1_0(f)
+        else:
+            shape, _, dtype = np.lib.format.read_array_header_2_0(f)
+    except (ValueError, OSError, EOFError) as e:
+        raise RecordError(f"{what}: not .npy data ({e})") from None
+    if dtype.hasobject:
+        raise RecordError(f"{what}: object arrays are refused (they would need unpickling)")
+    need = int(np.prod(shape, dtype=np.float64)) * dtype.itemsize
+    if need > size - f.tell():
+        raise RecordError(f"{what}: the .npy header claims shape {shape} {dtype} ({need} bytes) "
+                          f"but only {size - f.tell()} bytes follow")
+    f.seek(0)
+    return np.load(f, allow_pickle=False)
+
+
 def iter_arrays(path: str) -> Iterator[tuple[str, np.ndarray]]:
     """(sample_id, array) from an .npy, an .npz, or a folder of them."""
     if os.path.isdir(path):
@@ -110,11 +137,18 @@ def iter_arrays(path: str) -> Iterator[tuple[str, np.ndarray]]:
     stem = os.path.splitext(os.path.basename(path))[0]
     try:
         if path.endswith(".npz"):
-            with np.load(path, allow_pickle=False) as z:
-                for key in z.files:
-                    yield key, z[key]
+            with zipfile.ZipFile(path) as z:
+                for info in z.infolist():
+                    if not info.filename.endswith(".npy"):
+                        continue
+                    with z.open(info) as f:
+                        data = io.BytesIO(f.read(info.file_size))
+                    yield info.filename[:-4], load_npy(data, info.file_size,
+                                                       f"{path}:{info.filename}")
         else:
-            yield stem, np.load(path, allow_pickle=False)
+            with open(path, "rb") as f:
+                arr = load_npy(f, os.fstat(f.fileno()).st_size, path)
+            yield stem, arr
     except (ValueError, OSError, zipfile.BadZipFile, EOFError) as e:
         raise RecordError(f"{path}: not a readable .npy/.npz array file ({e})") from None
 
@@ -122,6 +156,7 @@ def iter_arrays(path: str) -> Iterator[tuple[str, np.ndarray]]:
 def iter_b64(path: str, kind: str, schema: RoutingSchema) -> Iterator[tuple[str, np.ndarray]]:
     """(sample_id, array [T, num_hidden_layers, top_k]) per line of a vllm-b64 / sglang-b64 file."""
     stem = os.path.splitext(os.path.basename(path))[0]
+    found = False
     with open(path, "rb") as f:
         for lineno, line in enumerate(f, 1):
             line = line.strip()
@@ -131,7 +166,10 @@ def iter_b64(path: str, kind: str, schema: RoutingSchema) -> Iterator[tuple[str,
                 raise RecordError(f"{path}:{lineno}: line longer than {MAX_LINE_BYTES} bytes")
             default_id = f"{stem}-{lineno}"
             for sid, b64 in _payloads(line, default_id, f"{path}:{lineno}"):
+                found = True
                 yield sid, _decode_b64(b64, kind, schema, sid)
+    if not found:
+        raise RecordError(f"{path}: no routing payloads (the file is empty)")
 
 
 def _payloads(line: bytes, default_id: str, where: str) -> list[tuple[str, str | bytes]]:
@@ -144,7 +182,7 @@ def _payloads(line: bytes, default_id: str, where: str) -> list[tuple[str, str |
     if not isinstance(obj, dict):
         raise RecordError(f"{where}: expected a JSON object")
     if isinstance(obj.get("choices"), list):                       # OpenAI-style response
-        rid = str(obj.get("id", default_id))
+        rid = str(obj["id"]) if obj.get("id") is not None else default_id
         out = []
         for i, ch in enumerate(obj["choices"]):
             if not isinstance(ch, dict) or not isinstance(ch.get("routed_experts"), str):
@@ -155,7 +193,8 @@ def _payloads(line: bytes, default_id: str, where: str) -> list[tuple[str, str |
         return out
     src = obj.get("meta_info") if isinstance(obj.get("meta_info"), dict) else obj
     b64 = src.get("routed_experts")
-    sid = src.get("id", obj.get("id", obj.get("sample_id", default_id)))
+    sid = next((x for x in (src.get("id"), obj.get("id"), obj.get("sample_id"))
+                if x is not None), default_id)
     if not isinstance(b64, str):
         raise RecordError(f"{where}: sample {sid!r} has no routed_experts string (is capture on? "
                           "vLLM: --enable-return-routed-experts; SGLang: "
@@ -168,12 +207,10 @@ def _decode_b64(b64: str | bytes, kind: str, schema: RoutingSchema, sid: str) ->
         raw = base64.b64decode(b64, validate=True)
     except (binascii.Error, ValueError) as e:
         raise RecordError(f"sample {sid!r}: routed_experts is not base64 ({e})") from None
+    if not raw:
+        raise RecordError(f"sample {sid!r}: routed_experts is empty")
     if kind == "vllm-b64":
-        try:
-            arr = np.load(io.BytesIO(raw), allow_pickle=False)
-        except (ValueError, OSError, EOFError) as e:
-            raise RecordError(f"sample {sid!r}: routed_experts is not .npy bytes ({e})") from None
-        return arr
+        return load_npy(io.BytesIO(raw), len(raw), f"sample {sid!r}: routed_experts")
     per_row = schema.num_hidden_layers * schema.top_k
     if len(raw) % 4 or (len(raw) // 4) % per_row:
         raise RecordError(

@@ -98,9 +98,28 @@ class RoutingRecord:
                 raise RecordError(
                     f"sample {sid!r}: {len(self.logprobs)} log-probs for "
                     f"{n - self.prompt_len} generated tokens")
+        if self.prompt_len is not None and self.prompt_len < 0:
+            raise RecordError(f"sample {sid!r}: negative prompt_len {self.prompt_len}")
+        if self.token_ids is not None:
+            t = np.asarray(self.token_ids)
+            if t.ndim != 1 or t.dtype.kind not in "iu" or (t.size and (
+                    int(t.min()) < -(1 << 31) or int(t.max()) >= (1 << 31))):
+                raise RecordError(f"sample {sid!r}: token_ids must be a 1-D integer array within "
+                                  f"int32, got {t.dtype} {t.shape}")
+        if self.logprobs is not None:
+            lp = np.asarray(self.logprobs)
+            if lp.ndim != 1 or lp.dtype.kind != "f":
+                raise RecordError(f"sample {sid!r}: logprobs must be a 1-D float array, got "
+                                  f"{lp.dtype} {lp.shape}")
         for span in self.weight_versions:
-            if not (0 <= span.start <= span.end):
+            if not (isinstance(span.version, str) and 0 <= span.start <= span.end):
                 raise RecordError(f"sample {sid!r}: bad weight-version span {span}")
+        for name in ("recomputed", "prefix_cached"):
+            for span in getattr(self, name):
+                if not (len(span) == 2 and all(isinstance(x, (int, np.integer))
+                                               and not isinstance(x, bool) for x in span)
+                        and 0 <= span[0] <= span[1]):
+                    raise RecordError(f"sample {sid!r}: bad {name} span {span!r}")
 
     def validate_ids(self, schema: RoutingSchema, layer_ids: Sequence[int] | None = None) -> None:
         """Check ids only: [T, L, top_k] of the schema's dtype, in range, distinct per row.

@@ -219,7 +219,21 @@ class SidecarWriter:
             self._q.put(None)
             self._thread.join()
         self._closed = True
+        try:
+            self._finish()
+        except Exception:
+            if self._error is None:
+                raise                # else: the background error below says what went wrong
+        finally:
+            if self._own and not isinstance(self._f, io.BytesIO):
+                self._f.close()
+                if self._fsspec_file is not None:
+                    self._fsspec_file.close()
         self._raise_bg()
+
+    def _finish(self) -> None:
+        """Index frame and trailer over the frames written so far (also after a background
+        write error: the frames before it stay indexed)."""
         idx = json.dumps({"records": [[s, o] for s, o in self._index]},
                          separators=(",", ":")).encode()
         index_offset = self._pos
@@ -228,10 +242,6 @@ class SidecarWriter:
         self._f.flush()
         if self._fsync != "never":
             self._do_fsync()
-        if self._own and not isinstance(self._f, io.BytesIO):
-            self._f.close()
-            if self._fsspec_file is not None:
-                self._fsspec_file.close()
 
     def getvalue(self) -> bytes:
         """The whole stream, for an in-memory writer (dest=None)."""
@@ -268,8 +278,9 @@ class SidecarWriter:
     def _write_now(self, record: RoutingRecord) -> None:
         payload = encode_record_payload(record, self.schema, self.codec, self.layer_group,
                                         self.column_order)
-        self._index.append((record.sample_id, self._pos))
+        offset = self._pos
         self._emit(encode_frame(KIND_RECORD, payload))
+        self._index.append((record.sample_id, offset))
         self._f.flush()
         if self._fsync == "frame":
             self._do_fsync()
@@ -581,6 +592,8 @@ class SidecarReader:
         for lyr in want:
             if not 0 <= lyr < schema.num_moe_layers:
                 raise IndexError(f"MoE layer position {lyr} out of range [0, {schema.num_moe_layers})")
+        if len(set(want)) != len(want):
+            raise ValueError(f"layers {want} repeat a MoE layer position")
         start = meta["start"]
         r0, r1 = 0, t
         if tokens is not None:

@@ -120,7 +120,8 @@ def read_stream(data):
     lmoe, k, e = len(sch["moe_layer_ids"]), sch["top_k"], sch["num_experts"]
     item = 1 if e <= 256 else 2
     off, records, index = 20 + j, [], None
-    while off + 24 <= len(data):
+    end = len(data) - 16 if data[-8:] == b"RRSCEND\x00" else len(data)
+    while off + 24 <= end:
         magic, kind, plen, pcrc, hcrc = struct.unpack("<4sB3xQII", data[off:off + 24])
         if magic != b"RRFM":
             break                                         # the trailer
@@ -139,9 +140,15 @@ def read_stream(data):
                    "weight_versions": meta.get("weight_versions", []),
                    "routing": [[None] * lmoe for _ in range(t)]}
             pos = 0
-            for name, codec, length, *dims in meta["sections"]:
-                blob = body[pos:pos + length]
-                pos += length
+            for sec in meta["sections"]:
+                if isinstance(sec, dict):                 # version 1: offsets and shapes given
+                    name, codec, length = sec["name"], sec["codec"], sec["length"]
+                    dims = sec["layers"] if name == "routing" else sec["shape"]
+                    blob = body[sec["offset"]:sec["offset"] + length]
+                else:
+                    name, codec, length, *dims = sec
+                    blob = body[pos:pos + length]
+                    pos += length
                 if name == "routing":
                     l0, l1 = dims
                     if codec.startswith("ctx-ans"):

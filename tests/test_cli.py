@@ -131,3 +131,35 @@ def test_convert_bad_input_names_sample_token_layer_and_keeps_earlier(tmp_path, 
     assert p.returncode == 2 and "sample 's-1'" in p.stderr and "whole number of rows" in p.stderr
     p = _cli(["convert", "--from", "npy", str(tmp_path / "in.npz"), "--out", str(out)])
     assert p.returncode == 2 and "--config" in p.stderr
+
+
+def test_convert_refuses_bad_paths_and_forged_npy(tmp_path, schema):
+    import numpy as np
+    arrs = _engine_arrays(schema, 1, 30)
+    folder = tmp_path / "in"
+    folder.mkdir()
+    np.save(folder / "g0.npy", arrs["s0"][0])
+    before = (folder / "g0.npy").read_bytes()
+    args = ["--num-experts", "16", "--top-k", "4", "--moe-layers", "1-3"]
+    p = _cli(["convert", "--from", "npy", str(folder), "--out", str(folder / "g0.npy"), *args])
+    assert p.returncode == 2 and "refusing" in p.stderr
+    assert (folder / "g0.npy").read_bytes() == before                    # input untouched
+    # a header claiming 10^12 rows: a clear error, no 14 TiB allocation
+    hdr = np.lib.format.header_data_from_array_1_0(arrs["s0"][0])
+    hdr["shape"] = (10**12, 3, 4)
+    with open(tmp_path / "forged.npy", "wb") as f:
+        np.lib.format.write_array_header_1_0(f, hdr)
+        f.write(b"\0" * 64)
+    out = tmp_path / "o.rrsc"
+    out.write_bytes(b"keep me")
+    p = _cli(["convert", "--from", "npy", str(tmp_path / "forged.npy"), "--out", str(out), *args])
+    assert p.returncode == 2 and "claims shape" in p.stderr and "Traceback" not in p.stderr
+    assert out.read_bytes() == b"keep me"                                # not truncated
+    (tmp_path / "empty.txt").write_text("")
+    p = _cli(["convert", "--from", "vllm-b64", str(tmp_path / "empty.txt"), "--out", str(out), *args])
+    assert p.returncode == 2 and "no routing payloads" in p.stderr
+    for bad in (["--codec", "bogus"], ["--moe-layers", "a-b"], ["--layer-group", "0"]):
+        p = _cli(["convert", "--from", "npy", str(folder), "--out", str(out), *args, *bad])
+        assert p.returncode == 2 and "Traceback" not in p.stderr, (bad, p.stderr)
+    p = _cli(["export", str(tmp_path / "missing.rrsc"), "--sample", "x", "--out", str(out)])
+    assert p.returncode == 2 and "Traceback" not in p.stderr

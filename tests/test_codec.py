@@ -148,3 +148,24 @@ def test_independent_reader_decodes_what_we_write():
         r = SidecarReader(data)
         np.testing.assert_array_equal(r.read("s2").ids, np.sort(recs[2].ids, -1)
                                       if order == "sorted" else recs[2].ids)
+
+
+def test_independent_reader_reads_version_1():
+    """The spec reader also follows FORMAT.md's version-1 paragraph."""
+    import json
+    import struct
+
+    from routereplay import sidecar as sc
+    schema = RoutingSchema(4, (1, 2, 3), 4, 16)
+    ids, _ = routing_trace(np.random.default_rng(9), 30, 3, 16, 4, 0.3)
+    body = codec.encode(ids, "zstd-lm")
+    meta = {"sample_id": "old", "num_tokens": 30, "start": 0, "prompt_len": None,
+            "weight_versions": [], "recomputed": [], "prefix_cached": [], "engine": "",
+            "sections": [{"name": "routing", "offset": 0, "length": len(body),
+                          "shape": [30, 3, 4], "codec": "zstd-lm", "layers": [0, 3]}]}
+    js = json.dumps(meta).encode()
+    hjs = json.dumps({"schema": schema.to_dict(), "codec": "zstd-lm"}).encode()
+    data = (struct.pack("<8sHHI", sc.MAGIC, 1, 0, len(hjs)) + hjs + struct.pack("<I", sc._crc(hjs))
+            + sc.encode_frame(sc.KIND_RECORD, struct.pack("<I", len(js)) + js + body))
+    _, recs = spec_reader.read_stream(data)
+    assert recs[0]["routing"] == ids.tolist()

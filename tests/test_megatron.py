@@ -91,3 +91,18 @@ def test_row_count_mismatch_names_sample(tiny_model, hf_sidecar, tmp_path):
     p, _ = _recompute(tiny_model, str(sc), tmp_path)
     assert p.returncode == 2
     assert "sample 'hf1': 30 routing rows but 33 tokens" in p.stderr
+
+
+def test_verify_with_megatron_matches_hf_reference(tiny_model, hf_sidecar, tmp_path):
+    """`routereplay verify --trainer megatron` and `--trainer hf` on the same sidecar."""
+    out = {}
+    for trainer in ("megatron", "hf"):
+        path = tmp_path / f"{trainer}.json"
+        p = run_py(["-m", "routereplay.cli", "verify", hf_sidecar[0], "--model", tiny_model,
+                    "--trainer", trainer, "--json", str(path), "--no-progress"], timeout=600)
+        assert p.returncode == 0, p.stderr[-3000:]
+        out[trainer] = json.loads(path.read_text())
+    for t in out.values():
+        assert t["replay"]["routing_agreement"] == 1.0 and t["replay"]["max_abs_dlogp"] < 1e-4
+        assert len(t["replay"]["per_sample"]) == 3 and len(t["replay"]["per_layer"]) == 3
+    assert out["hf"]["replay"]["max_abs_dlogp"] < 1e-5          # the records came from HF

@@ -316,3 +316,34 @@ def test_compact_meta_is_small(schema):
     meta = payload[4:4 + mlen]
     assert b'"start"' not in meta and b'"recomputed"' not in meta and b'"offset"' not in meta
     assert mlen < 200, meta
+
+
+def test_writer_refuses_what_readers_reject_and_indexes_after_a_failure(schema):
+    from routereplay.record import RoutingRecord
+    ok = random_record(schema, "ok", 12, 1)
+    for bad in (dict(recomputed=[(5, 3)]), dict(prefix_cached=[(-1, 2)]),
+                dict(logprobs=np.zeros((2, 2), np.float32)),
+                dict(token_ids=np.full(12, 2**40, np.int64))):
+        rec = RoutingRecord(**{**ok.__dict__, **bad})
+        with pytest.raises(RecordError, match="sample 'ok'"):
+            SidecarWriter(None, schema).write(rec)
+
+    class FailSecond(io.BytesIO):
+        frames = 0
+
+        def write(self, b):
+            if b[:4] == b"RRFM" and b[4] == 1:
+                FailSecond.frames += 1
+                if FailSecond.frames == 2:
+                    raise OSError("disk full")
+            return super().write(b)
+    f = FailSecond()
+    w = SidecarWriter(f, schema)
+    w.write(ok)
+    w.write(random_record(schema, "lost", 12, 2))
+    with pytest.raises(SidecarError, match="disk full"):
+        w.close()
+    r = SidecarReader(f.getvalue())
+    assert r.sample_ids() == ["ok"] and not r.errors          # index and trailer written
+    with pytest.raises(ValueError, match="repeat"):
+        r.read("ok", layers=[0, 0])

@@ -225,8 +225,9 @@ def decode(data: bytes, shape: tuple[int, int, int], dtype: np.dtype, num_expert
         gi, ti = np.nonzero(~fresh_mask & (src >= 0))
         block[gi, ti] = block[gi, src[gi, ti]]
         prev = block[:, -1].copy()
-        parts.append(block)
+        parts.append(block.astype(dtype))       # NOTE: narrow now: peak memory ~3x the output
         st.update(flags, layer, fresh, sym)
     dec.finish()
-    out = np.concatenate(parts, axis=1) if parts else np.zeros((lg, 0, k), np.int32)
-    return np.ascontiguousarray(out.transpose(1, 0, 2)).astype(dtype)
+    out = np.concatenate(parts, axis=1) if parts else np.zeros((lg, 0, k), dtype)
+    del parts
+    return np.ascontiguousarray(out.transpose(1, 0, 2))

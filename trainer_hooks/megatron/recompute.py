@@ -115,12 +115,15 @@ def condition_metrics(records: Sequence[RoutingRecord], lp: torch.Tensor,
 
 
 def run(model_dir: str, sidecar: str, *, router_perturb: float = 0.0,
-        router_select_noise: float = 0.0, seed: int = 0) -> dict[str, Any]:
+        router_select_noise: float = 0.0, seed: int = 0, raw: str | None = None,
+        limit: int | None = None) -> dict[str, Any]:
     """Recompute the sidecar's rollouts with ``model_dir`` in megatron-core; see module doc.
 
     router_perturb: std of noise added to the trainer's router weights (changes selection
     and gate values); router_select_noise: std of noise on the router scores used for the
-    trainer's own top-k selection only (replay.selection_noise).
+    trainer's own top-k selection only (replay.selection_noise). ``raw``: also save, per
+    condition, ``{cond}_lp`` float64 [b, s-1] and ``{cond}_used`` int64 [b, s, L, k] (the
+    experts of the routers' output maps) to this .npz, for ``routereplay verify``.
     """
     init_single_process()
     from trainer_hooks.megatron import hf_qwen3_moe as conv
@@ -133,6 +136,8 @@ def run(model_dir: str, sidecar: str, *, router_perturb: float = 0.0,
     with SidecarReader(sidecar) as reader:
         schema.check_same(reader.schema, what=f"sidecar {os.path.basename(sidecar)}")
         records = list(reader.records())
+    if limit:
+        records = records[:limit]
     if not records:
         raise RecordError(f"sidecar {sidecar} holds no records")
     check_records(records, schema)
@@ -157,6 +162,7 @@ def run(model_dir: str, sidecar: str, *, router_perturb: float = 0.0,
     result: dict[str, Any] = {"num_samples": b, "seq_len": s, "build_s": build_s,
                               "router_perturb": router_perturb,
                               "router_select_noise": router_select_noise}
+    raw_arrays: dict[str, np.ndarray] = {}
     for name, per_layer in (("no_replay", None), ("replay", replay_ids)):
         t1 = time.perf_counter()
         with torch.no_grad(), replaying(per_layer), capture_routing_maps(model) as rts, \
@@ -165,6 +171,8 @@ def run(model_dir: str, sidecar: str, *, router_perturb: float = 0.0,
             used = used_topk(s, b)
             used_sets = routing_map_topk(rts, s, b, schema.top_k)
         result[name] = condition_metrics(records, lp, used_sets, used)
+        raw_arrays[f"{name}_lp"] = lp.double().numpy()
+        raw_arrays[f"{name}_used"] = np.asarray(used_sets, dtype=np.int64)
         result[name]["forward_s"] = time.perf_counter() - t1
 
     # One backward with replay: the router must still receive gradients (the gate
@@ -177,6 +185,8 @@ def run(model_dir: str, sidecar: str, *, router_perturb: float = 0.0,
             resp[j, r.prompt_len - 1:len(r.token_ids) - 1] = 1.0
         loss = -(lp * resp).sum() / resp.sum()
         loss.backward()
+    if raw:
+        np.savez(raw, **raw_arrays)
     result["replay_backward"] = {
         "loss": float(loss.detach()),
         "router_grad_norms": [float(r.weight.grad.norm()) if r.weight.grad is not None else 0.0
@@ -193,11 +203,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--router-perturb", type=float, default=0.0)
     p.add_argument("--router-select-noise", type=float, default=0.0)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--raw", help="also save per-token log-probs and used experts (.npz)")
+    p.add_argument("--limit", type=int, help="only the first N records")
     a = p.parse_args(argv)
     from routereplay.errors import RouteReplayError
     try:
         res = run(a.model, a.sidecar, router_perturb=a.router_perturb,
-                  router_select_noise=a.router_select_noise, seed=a.seed)
+                  router_select_noise=a.router_select_noise, seed=a.seed, raw=a.raw,
+                  limit=a.limit)
     except RouteReplayError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

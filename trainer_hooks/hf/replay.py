@@ -1,0 +1,114 @@
+"""Force recorded experts in a transformers 5 MoE model (reference replay).
+
+    with hf_replay(model, forced) as used:       # forced: per MoE layer int64 [B*S, top_k]
+        logits = model(input_ids).logits          # used[i]: top-k ids layer i really used
+
+Each MoE block's router (``Qwen3MoeTopKRouter``, ``Qwen2MoeTopKRouter``,
+``MixtralTopKRouter``) still computes its softmax over all experts; on rows with a forced
+row it takes the recorded ids (in the engine's column order) instead of its own top-k and
+gathers their probabilities as gate weights (renormalised like the model does), so the
+router keeps receiving gradients. Rows whose forced ids are -1 (no routing recorded: the
+last token, padding) use the router's own top-k. The patch is an instance attribute on
+each router, removed on exit (nothing on disk, nothing global).
+"""
+from __future__ import annotations
+
+import contextlib
+from typing import Iterator, Sequence
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from routereplay.errors import AlignmentError
+from routereplay.record import RoutingRecord
+from routereplay.schema import RoutingSchema
+
+ROUTER_CLASSES = ("Qwen3MoeTopKRouter", "Qwen2MoeTopKRouter", "MixtralTopKRouter")
+
+
+def moe_routers(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The model's MoE routers in layer order.
+
+    Raises:
+        AlignmentError: no supported router (names the model class).
+    """
+    routers = [m for m in model.modules() if type(m).__name__ in ROUTER_CLASSES]
+    if not routers:
+        raise AlignmentError(f"{type(model).__name__} has no supported MoE router "
+                             f"({', '.join(ROUTER_CLASSES)})")
+    return routers
+
+
+def _normalises(router: torch.nn.Module) -> bool:
+    # NOTE: Mixtral always renormalises the top-k probabilities; Qwen follows norm_topk_prob.
+    return bool(getattr(router, "norm_topk_prob", True))
+
+
+def _forced_forward(router, forced: torch.Tensor | None, used: list):
+    def forward(hidden_states):
+        h = hidden_states.reshape(-1, router.hidden_dim)
+        logits = F.linear(h, router.weight)
+        probs = torch.softmax(logits.float(), dim=-1)
+        own = torch.topk(probs, router.top_k, dim=-1).indices
+        if forced is None:
+            idx = own
+        else:
+            if forced.shape != own.shape:
+                raise AlignmentError(f"replay ids {tuple(forced.shape)} do not match the router's "
+                                     f"{tuple(own.shape)} (tokens x top_k)")
+            f = forced.to(own.device)
+            idx = torch.where((f >= 0).all(-1, keepdim=True), f, own)
+        weights = probs.gather(-1, idx)
+        if _normalises(router):
+            weights = weights / weights.sum(-1, keepdim=True)
+        used.append(idx.detach().cpu())
+        return logits, weights.to(logits.dtype), idx
+    return forward
+
+
+@contextlib.contextmanager
+def hf_replay(model: torch.nn.Module, forced: Sequence[torch.Tensor | None] | None
+              ) -> Iterator[list[torch.Tensor]]:
+    """Force ``forced[i]`` (int64 [tokens, top_k], -1 rows = own routing) in MoE layer i.
+
+    ``forced=None`` records without forcing. Yields a list that receives, per router call,
+    the ids used (int64 [tokens, top_k]), in layer order.
+    """
+    routers = moe_routers(model)
+    if forced is not None and len(forced) != len(routers):
+        raise AlignmentError(f"{len(forced)} layers of replay ids for {len(routers)} MoE routers")
+    used: list[torch.Tensor] = []
+    try:
+        for i, r in enumerate(routers):
+            r.forward = _forced_forward(r, None if forced is None else forced[i], used)
+        yield used
+    finally:
+        for r in routers:
+            r.__dict__.pop("forward", None)
+
+
+def replay_ids(record: RoutingRecord, schema: RoutingSchema, seq_len: int) -> list[torch.Tensor]:
+    """Per MoE layer int64 [seq_len, top_k]: the record's ids at their token positions
+    (row i = position start + i), -1 where the record has no row."""
+    out = np.full((seq_len, schema.num_moe_layers, schema.top_k), -1, dtype=np.int64)
+    end = min(record.start + record.num_tokens, seq_len)
+    out[record.start:end] = record.ids[:end - record.start]
+    return [torch.from_numpy(np.ascontiguousarray(out[:, i])) for i in range(schema.num_moe_layers)]
+
+
+def token_logprobs(model: torch.nn.Module, token_ids: np.ndarray, schema: RoutingSchema,
+                   record: RoutingRecord | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """One sequence's log-probs with (``record`` given) or without replay.
+
+    Returns:
+        (lp float64 [N - 1]: log p(token_p | tokens_<p) for p = 1..N-1,
+         used int64 [N, L_moe, top_k]: experts each position used).
+    """
+    ids = torch.as_tensor(np.asarray(token_ids, dtype=np.int64))[None]
+    n = ids.shape[1]
+    forced = None if record is None else replay_ids(record, schema, n)
+    with hf_replay(model, forced) as used:
+        logits = model(ids).logits[0].float()
+    lp = torch.log_softmax(logits[:-1], -1).gather(-1, ids[0, 1:, None])[:, 0]
+    return lp.detach().double().numpy(), torch.stack(used, 1).numpy()
