@@ -166,15 +166,19 @@ def _cmd_verify(a: argparse.Namespace) -> int:
     from routereplay.schema import RoutingSchema
     from routereplay.sidecar import SidecarReader
     schema = RoutingSchema.from_hf_config(a.model)
+    if a.limit is not None and a.limit < 1:
+        raise RouteReplayError("--limit must be >= 1")
     with SidecarReader(a.sidecar) as r:
         schema.check_same(r.schema, what=f"sidecar {os.path.basename(a.sidecar)}")
-        records = list(r.records())
+        records = []
+        for rec in r.records():
+            records.append(rec)
+            if a.limit and len(records) >= a.limit:
+                break
     for rec in records:
         if rec.token_ids is None or rec.logprobs is None or rec.prompt_len is None:
             raise AlignmentError(f"sample {rec.sample_id!r}: the sidecar holds no token ids, "
                                  "prompt length or engine log-probs to verify against")
-    if a.limit:
-        records = records[:a.limit]
     if a.trainer == "hf":
         from trainer_hooks.hf.verify import recompute          # lazy: trainer side
         passes = recompute(a.model, records, schema, progress=not a.no_progress)
@@ -199,7 +203,7 @@ def _cmd_verify(a: argparse.Namespace) -> int:
         out = {k: v for k, v in summary.items() if k != "deltas"}
         out.update({"trainer": a.trainer, "model": a.model, "sidecar": a.sidecar})
         with open(a.json, "w") as f:
-            json.dump(out, f, indent=2)
+            json.dump(verify.json_safe(out), f, indent=2, allow_nan=False)
     if a.plot:
         verify.plot(summary, a.plot)
         print(f"plot: {a.plot}")

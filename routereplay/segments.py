@@ -37,8 +37,9 @@ def merge_segments(segments: Sequence[RoutingRecord], sample_id: str) -> Routing
         sample_id: id of the merged record.
     Returns:
         a record from position ``min(start_i)``: earlier segments win on overlaps (see the
-        module docstring); token_ids, prompt_len and engine of the last turn (its sequence
-        holds the whole conversation); log-probs dropped (they belong to single turns);
+        module docstring); token_ids, prompt_len and engine of the turn that reaches
+        furthest (its sequence holds the whole conversation; every other turn's tokens must
+        be a prefix of it); log-probs dropped (they belong to single turns);
         weight-version, prefix-cache and recomputed spans clipped to the rows each segment
         contributed.
     Raises:
@@ -77,7 +78,19 @@ def merge_segments(segments: Sequence[RoutingRecord], sample_id: str) -> Routing
         raise RecordError(f"sample {sample_id!r}: turns leave token positions {gaps} without "
                           "routing (a later turn's start is past the earlier turn's last row)")
     recomputed = sorted(set(recomputed + _spans(differs, start)))
-    last = segs[-1]
+    # the turn that reaches furthest holds the whole conversation (ties: the longest tokens)
+    last = max(segs, key=lambda r: (r.start + r.num_tokens,
+                                    -1 if r.token_ids is None else len(r.token_ids)))
+    if last.token_ids is not None:
+        full = np.asarray(last.token_ids)
+        for r in segs:
+            if r.token_ids is not None and not np.array_equal(
+                    np.asarray(r.token_ids), full[:len(r.token_ids)]):
+                raise RecordError(f"sample {sample_id!r}: turn {r.sample_id!r}'s tokens are not a "
+                                  f"prefix of turn {last.sample_id!r}'s: not one conversation")
+        if len(full) != end + 1:
+            raise RecordError(f"sample {sample_id!r}: {len(full)} tokens in turn "
+                              f"{last.sample_id!r} but routing rows up to position {end}")
     versions.sort(key=lambda s: s.start)
     return RoutingRecord(sample_id=sample_id, ids=ids, start=start, prompt_len=last.prompt_len,
                          token_ids=last.token_ids, logprobs=None, weight_versions=versions,

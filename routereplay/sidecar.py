@@ -451,6 +451,7 @@ class SidecarReader:
         if self._frames is not None:
             return self._frames
         frames: list[FrameInfo] = []
+        seen: dict[str, int] = {}
         off = self._data_start
         while off < self.size:
             if self.size - off == _TRAILER.size and \
@@ -490,6 +491,14 @@ class SidecarReader:
                     except SidecarError as e:
                         fi.error = str(e)
                         self.errors.append(f"corrupt frame at offset {off}: {e}")
+                if fi.meta is not None and fi.sample_id in seen:
+                    # NOTE: writers refuse duplicate ids, so this stream was spliced or forged;
+                    # keep the first, report the rest
+                    fi.error = f"duplicate sample id {fi.sample_id!r} (first at offset {seen[fi.sample_id]})"
+                    self.errors.append(f"corrupt frame at offset {off}: {fi.error}")
+                    fi.meta = None
+                elif fi.meta is not None:
+                    seen[fi.sample_id] = off
                 frames.append(fi)
             off = end
         self._frames = frames

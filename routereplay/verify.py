@@ -60,6 +60,17 @@ def summarize(records: Sequence[RoutingRecord],
     return out
 
 
+def json_safe(obj: Any) -> Any:
+    """NaN/inf (a sample without prompt or response rows) -> None, so the JSON is strict."""
+    if isinstance(obj, float):
+        return obj if np.isfinite(obj) else None
+    if isinstance(obj, dict):
+        return {k: json_safe(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [json_safe(v) for v in obj]
+    return obj
+
+
 def format_report(summary: Mapping[str, Any], max_samples: int = 10) -> str:
     """The printed table: one row per condition, per-layer agreement, worst samples."""
     lines = [f"{'condition':<11}{'agree (all)':>12}{'prompt':>9}{'response':>10}{'k3 KL':>11}"

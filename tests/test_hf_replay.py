@@ -115,3 +115,21 @@ def test_exact_ties_replay_is_deterministic(qwen):
     finally:
         with torch.no_grad():
             r0.weight.copy_(saved)
+
+
+def test_bad_replay_ids_are_clear_errors(qwen):
+    from routereplay.errors import AlignmentError
+    m, schema = qwen
+    x = torch.arange(3, 13)[None]
+    ok = torch.full((10, schema.top_k), -1, dtype=torch.long)
+    for bad, why in [(torch.full((10, schema.top_k), 99), "outside"),
+                     (torch.tensor([[0, -1, 2, 3]] * 10), "partly -1"),
+                     (torch.tensor([[0, 0, 2, 3]] * 10), "repeat"),
+                     (torch.zeros(10, schema.top_k), "integer"),
+                     (torch.full((9, schema.top_k), -1), "do not match")]:
+        with pytest.raises(AlignmentError, match=why):
+            with torch.no_grad(), hf_replay(m, [bad, ok, ok]):
+                m(x)
+    rec = RoutingRecord("late", np.zeros((2, 3, 4), np.uint8), start=50)
+    with pytest.raises(AlignmentError, match="past the 10-token sequence"):
+        replay_ids(rec, schema, 10)

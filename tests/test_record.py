@@ -87,6 +87,14 @@ def test_merge_segments_earlier_wins_and_flags_disagreement(schema):
     assert m.recomputed == [(9, 10)]
     assert [(s.version, s.start, s.end) for s in m.weight_versions] == [("v1", 0, 12), ("v2", 12, 30)]
     assert m.prefix_cached == []                                     # t2's cached span lies in t1's rows
+    # a turn contained in another: the one reaching furthest gives the tokens
+    toks = np.arange(31, dtype=np.int32)
+    long = RoutingRecord("L", full.copy(), token_ids=toks)
+    short = RoutingRecord("S", full[:5].copy(), token_ids=toks[:6])
+    assert len(merge_segments([long, short], "c2").token_ids) == 31
+    other = RoutingRecord("X", full[:5].copy(), token_ids=toks[:6] + 1)
+    with pytest.raises(RecordError, match="not a prefix"):
+        merge_segments([long, other], "c3")
     gap = RoutingRecord("t3", full[20:].copy(), start=20)
     with pytest.raises(RecordError, match=r"sample 'conv'.*\[\(12, 20\)\]"):
         merge_segments([a, gap], "conv")

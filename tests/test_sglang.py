@@ -66,8 +66,9 @@ def test_multi_turn_segments_rebuild_the_conversation():
 
 
 def test_weight_version_spans_cover_prompt_and_output_rows():
-    rec = _rec("update_in_place")          # P=4, output spans v1 [0, 2), v2 [2, 5)
-    assert [(s.version, s.start, s.end) for s in rec.weight_versions] == [("v1", 0, 5), ("v2", 5, 8)]
+    rec = _rec("update_in_place")          # P=4, output spans v1 [0, 3), v2 [3, 5)
+    assert CASES["update_in_place"]["response"]["meta_info"]["weight_versions"][0]["end"] == 3
+    assert [(s.version, s.start, s.end) for s in rec.weight_versions] == [("v1", 0, 6), ("v2", 6, 8)]
     assert rec.recomputed == []
     assert [(s.version, s.start, s.end) for s in _rec("basic").weight_versions] == [("v1", 0, 9)]
 
@@ -76,6 +77,8 @@ def test_retracted_request_is_flagged_recomputed():
     rec = _rec("retract")
     assert CASES["retract"]["response"]["meta_info"]["num_retractions"] == 1
     assert rec.recomputed == [(0, 7)]
+    # every row was re-prefilled under v2 (the fixture's truth), whatever sampled the tokens
+    assert [(s.version, s.start, s.end) for s in rec.weight_versions] == [("v2", 0, 7)]
 
 
 def test_openai_response_and_stream():
@@ -137,6 +140,26 @@ def test_bad_payloads_name_the_request():
         record_from_response(CASES["basic"]["response"], SCHEMA, start_len=2)
     with pytest.raises(RecordError, match="req-basic.*not base64"):
         record_from_response(_with_payload("basic", raw=None, routed_experts="@@@"), SCHEMA)
+    for field, value in [("cached_tokens", "abc"), ("cached_tokens", 1000),
+                         ("weight_versions", [{"version": "v1", "start": 0, "end": float("inf")}]),
+                         ("weight_versions", [{"version": "v1", "start": 1, "end": 2}]),
+                         ("num_retractions", -1)]:
+        with pytest.raises(RecordError, match="req-basic"):
+            record_from_response(_with_payload("basic", **{field: value}), SCHEMA)
+    resp = _with_payload("basic", output_token_logprobs=[None] * 4)
+    resp["output_ids"] = ["x"] * 4
+    with pytest.raises(RecordError, match="req-basic.*malformed"):
+        record_from_response(resp, SCHEMA, prompt_ids=CASES["basic"]["prompt_ids"])
+    # a truncated payload is only caught when the start is known (stored with the response)
+    short = _with_payload("basic", truth[:-1])
+    assert record_from_response(short, SCHEMA).start == 1          # inferred: looks like start 1
+    short["routed_experts_start_len"] = 0
+    with pytest.raises(RecordError, match="8 routing rows, expected"):
+        record_from_response(short, SCHEMA)
+    oa = json.loads(json.dumps(CASES["openai"]["response"]))
+    oa["choices"].append(dict(oa["choices"][0], index=1))
+    with pytest.raises(RecordError, match="cmpl-oa1.*2 choices"):
+        record_from_response(oa, SCHEMA)
 
 
 def test_convert_sglang_json_and_export(tmp_path):
@@ -237,8 +260,8 @@ def test_client_streams_records_into_a_sidecar(sglang_server):
     ("keep", FromTensor(["AAAA"]), ["/pause_generation", "/update_weights_from_tensor",
                                     "/continue_generation", "/flush_cache"]),
     ("wait", FromDistributed(["w"], ["bfloat16"], [[2, 2]]), ["/update_weights_from_distributed"]),
-    ("abort", None, ["/pause_generation", "/update_weight_version", "/continue_generation",
-                     "/flush_cache"]),
+    ("abort", None, ["/pause_generation", "/update_weight_version", "/flush_cache",
+                     "/continue_generation"]),
 ])
 def test_weight_sync_sequences(sglang_server, mode, source, want):
     calls = SGLangWeightSync(sglang_server).sync(source, "v2", mode=mode)
@@ -250,7 +273,7 @@ def test_weight_sync_sequences(sglang_server, mode, source, want):
     if upd:
         assert upd[0]["weight_version"] == "v2"
         assert upd[0]["flush_cache"] is (mode != "keep")     # keep: flushed after resume
-    if "/flush_cache" in sent:
+    if "/flush_cache" in sent and mode == "keep":          # after resume: wait for the batch
         assert [c[2] for c in _FakeSGLang.calls if c[0] == "/flush_cache"] == ["timeout=60"]
 
 
@@ -264,4 +287,11 @@ def test_weight_sync_failure_resumes_and_names_the_step(sglang_server):
         SGLangWeightSync(sglang_server).sync(FromDisk("/x"), "v3", mode="retract")
     _FakeSGLang.fail = {}
     calls = SGLangWeightSync(sglang_server).sync(FromDisk("/x"), "v3", mode="retract", allow_retract=True)
-    assert calls[0] == "/pause_generation" and _FakeSGLang.calls[-3][1]["mode"] == "retract"
+    assert calls == ["/pause_generation", "/update_weights_from_disk", "/continue_generation",
+                     "/flush_cache"]
+    assert _FakeSGLang.calls[-4][1]["mode"] == "retract"
+    assert _FakeSGLang.calls[-3][1]["flush_cache"] is False     # SGLang would fail the update
+    _FakeSGLang.calls = []
+    with pytest.raises(TypeError):
+        SGLangWeightSync(sglang_server).sync("not a source", "v4")
+    assert [c[0] for c in _FakeSGLang.calls] == ["/pause_generation", "/continue_generation"]

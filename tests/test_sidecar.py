@@ -347,3 +347,14 @@ def test_writer_refuses_what_readers_reject_and_indexes_after_a_failure(schema):
     assert r.sample_ids() == ["ok"] and not r.errors          # index and trailer written
     with pytest.raises(ValueError, match="repeat"):
         r.read("ok", layers=[0, 0])
+
+
+def test_spliced_stream_with_duplicate_ids_keeps_the_first(schema):
+    a = write_records(None, schema, [random_record(schema, "x", 10, 1)], background=False)
+    b = write_records(None, schema, [random_record(schema, "x", 12, 2)], background=False)
+    fa, fb = (SidecarReader(w.getvalue()).scan()[0] for w in (a, b))
+    frame = lambda w, fi: w.getvalue()[fi.offset:fi.offset + 24 + fi.payload_len]  # noqa: E731
+    data = a.getvalue()[:fa.offset] + frame(a, fa) + frame(b, fb)
+    r = SidecarReader(data)
+    assert r.sample_ids() == ["x"] and "duplicate sample id 'x'" in r.errors[0]
+    assert r.read("x").num_tokens == 9

@@ -32,6 +32,7 @@ from routereplay.record import RoutingRecord, checked_moe_ids
 from routereplay.schema import RoutingSchema
 from routereplay.versions import output_spans_to_rows
 
+MAX_LINE_BYTES = 1 << 30          # one saved response (bytes)
 FLAG_HINT = ("launch the SGLang server with --enable-return-routed-experts (Engine("
              "enable_return_routed_experts=True)) and send return_routed_experts=True in the "
              "request (OpenAI endpoints: extra_body)")
@@ -56,8 +57,8 @@ def _fields(resp: Mapping[str, Any]) -> dict[str, Any]:
             out["completion_tokens"] = len(resp["output_ids"])
         return out
     if isinstance(resp.get("choices"), list):                               # OpenAI
-        usage = resp.get("usage") or {}
-        meta = resp.get("metadata") or {}
+        usage = resp.get("usage") if isinstance(resp.get("usage"), Mapping) else {}
+        meta = resp.get("metadata") if isinstance(resp.get("metadata"), Mapping) else {}
         ext = resp.get("sglext") or {}
         routed = ext.get("routed_experts") if isinstance(ext, Mapping) else None
         choices = resp["choices"]
@@ -65,7 +66,7 @@ def _fields(resp: Mapping[str, Any]) -> dict[str, Any]:
             ch_ext = choices[0].get("sgl_ext") or {}
             routed = ch_ext.get("routed_experts") if isinstance(ch_ext, Mapping) else None
         details = usage.get("prompt_tokens_details") or {}
-        return {"id": resp.get("id"), "routed_experts": routed,
+        return {"id": resp.get("id"), "routed_experts": routed, "num_choices": len(choices),
                 "prompt_tokens": usage.get("prompt_tokens"),
                 "completion_tokens": usage.get("completion_tokens"),
                 "cached_tokens": (details.get("cached_tokens") if isinstance(details, Mapping)
@@ -121,12 +122,35 @@ def record_from_response(resp: Mapping[str, Any], schema: RoutingSchema, *,
                          start_len: int | None = None, prompt_ids: Sequence[int] | None = None,
                          sample_id: str | None = None, num_fused_shared_experts: int = 0,
                          engine: str = "sglang") -> RoutingRecord:
+    """See :func:`_record_from_response`; any malformed field becomes a RecordError naming
+    the request (never a TypeError/ValueError from deep inside)."""
+    try:
+        return _record_from_response(resp, schema, start_len=start_len, prompt_ids=prompt_ids,
+                                     sample_id=sample_id,
+                                     num_fused_shared_experts=num_fused_shared_experts,
+                                     engine=engine)
+    except (TypeError, ValueError, OverflowError, AttributeError, IndexError, KeyError) as e:
+        rid = None
+        if isinstance(resp, Mapping):
+            mi = resp.get("meta_info")
+            rid = mi.get("id") if isinstance(mi, Mapping) else resp.get("id")
+        raise RecordError(f"request {rid if rid is not None else sample_id!r}: malformed "
+                          f"response field ({type(e).__name__}: {e})"[:500]) from None
+
+
+def _record_from_response(resp: Mapping[str, Any], schema: RoutingSchema, *,
+                          start_len: int | None = None, prompt_ids: Sequence[int] | None = None,
+                          sample_id: str | None = None, num_fused_shared_experts: int = 0,
+                          engine: str = "sglang") -> RoutingRecord:
     """One SGLang response -> a validated RoutingRecord.
 
     Args:
         resp: a ``/generate`` or OpenAI response dict (see the module docstring).
-        start_len: the request's ``routed_experts_start_len``; None infers it from the row
-            count (seqlen - 1 - rows).
+        start_len: the request's ``routed_experts_start_len``; None takes it from the
+            response if a client stored it there (``routed_experts_start_len`` next to
+            ``meta_info``), else infers it from the row count (seqlen - 1 - rows). NOTE: an
+            inferred start cannot tell a truncated payload from a later start; pass the
+            start whenever it is known.
         prompt_ids: the request's prompt token ids, to store token_ids (prompt + output).
         sample_id: record id; default the request id (meta_info ``id``, or the OpenAI
             response ``id``).
@@ -146,6 +170,14 @@ def record_from_response(resp: Mapping[str, Any], schema: RoutingSchema, *,
     """
     f = _fields(resp)
     rid = str(f["id"] if f["id"] is not None else sample_id)
+    if f.get("num_choices", 1) > 1:
+        raise RecordError(f"request {rid!r}: OpenAI response with {f['num_choices']} choices: "
+                          "SGLang returns only the first choice's routing while usage counts all "
+                          "of them; send n=1 per request")
+    if start_len is None and isinstance(resp.get("routed_experts_start_len"), int):
+        start_len = resp["routed_experts_start_len"]
+    if start_len is not None and (isinstance(start_len, bool) or not isinstance(start_len, int)):
+        raise RecordError(f"request {rid!r}: start_len must be an integer, got {start_len!r}")
     sid = str(sample_id if sample_id is not None else rid)
     if not isinstance(f["routed_experts"], str):
         raise RecordError(f"request {rid!r}: the response has no routed_experts; {FLAG_HINT}")
@@ -168,24 +200,38 @@ def record_from_response(resp: Mapping[str, Any], schema: RoutingSchema, *,
     spans = f["weight_versions"]
     if isinstance(spans, list) and spans:
         try:
-            out_spans = [(str(s["version"]), int(s["start"]), int(s["end"])) for s in spans]
-        except (KeyError, TypeError, ValueError):
+            out_spans = [(s["version"], int(s["start"]), int(s["end"])) for s in spans]
+        except (KeyError, TypeError, ValueError, OverflowError):
             raise RecordError(f"request {rid!r}: bad weight_versions {spans!r}"[:300]) from None
+        prev = 0
+        for v, a, b in out_spans:          # SGLang: contiguous from 0, clipped to the output
+            if not (isinstance(v, str) and a == prev and a <= b <= gen):
+                raise RecordError(f"request {rid!r}: weight_versions {spans!r} are not contiguous "
+                                  f"spans over the {gen} output tokens"[:400])
+            prev = b
         versions = output_spans_to_rows(out_spans, prompt_len)
     elif f["weight_version"] is not None:
         versions = output_spans_to_rows([(str(f["weight_version"]), 0, gen)], prompt_len)
     else:
         versions = []
-    nret = f["num_retractions"] or 0
+    nret = _int(f["num_retractions"] or 0, "num_retractions", rid)
     recomputed = [(start_len, start_len + rows)] if nret and rows else []
-    cached = int(f["cached_tokens"] or 0)
+    if nret and versions:
+        # NOTE: a retracted request is re-prefilled, so its rows were (re)computed after the
+        # retraction, under the version current then, in practice the last one; the output
+        # spans above tell which version sampled each token, not which computed the rows.
+        versions = output_spans_to_rows([(versions[-1].version, 0, gen)], prompt_len)
+    cached = _int(f["cached_tokens"] or 0, "cached_tokens", rid)
+    if cached > seqlen:
+        raise RecordError(f"request {rid!r}: cached_tokens {cached} > sequence length {seqlen}")
     token_ids = logprobs = None
     if prompt_ids is not None and isinstance(f["output_ids"], list):
         token_ids = np.asarray(list(prompt_ids) + list(f["output_ids"]), dtype=np.int32)
         if len(prompt_ids) != prompt_len:
             raise RecordError(f"request {rid!r}: {len(prompt_ids)} prompt ids given, the "
                               f"response says prompt_tokens={prompt_len}")
-    if isinstance(f["output_logprobs"], list) and len(f["output_logprobs"]) == gen:
+    if token_ids is not None and isinstance(f["output_logprobs"], list) \
+            and len(f["output_logprobs"]) == gen:
         logprobs = np.array([float(x[0]) for x in f["output_logprobs"]], dtype=np.float32)
     rec = RoutingRecord(sample_id=sid, ids=ids, start=start_len, prompt_len=prompt_len,
                         token_ids=token_ids, logprobs=logprobs if token_ids is not None else None,
@@ -209,6 +255,8 @@ def record_from_stream(chunks: Iterable[Mapping[str, Any]], schema: RoutingSchem
     last_meta: dict[str, Any] | None = None
     routed = output_ids = None
     for ch in chunks:
+        if not isinstance(ch, Mapping):
+            raise RecordError(f"SGLang stream chunk is not a JSON object: {str(ch)[:80]}")
         if isinstance(ch.get("meta_info"), Mapping):
             last_meta = {**(last_meta or {}), **ch["meta_info"]}
             routed = ch["meta_info"].get("routed_experts") or routed
@@ -240,10 +288,14 @@ def iter_jsonl(path: str, schema: RoutingSchema, **kw: Any):
             line and request).
     """
     import json
+    found = False
     with open(path, "rb") as f:
         for lineno, line in enumerate(f, 1):
             if not line.strip():
                 continue
+            if len(line) > MAX_LINE_BYTES:
+                raise RecordError(f"{path}:{lineno}: line longer than {MAX_LINE_BYTES} bytes")
+            found = True
             try:
                 resp = json.loads(line)
             except (ValueError, RecursionError) as e:
@@ -252,3 +304,5 @@ def iter_jsonl(path: str, schema: RoutingSchema, **kw: Any):
                 yield record_from_response(resp, schema, **kw)
             except RecordError as e:
                 raise RecordError(f"{path}:{lineno}: {e}") from None
+    if not found:
+        raise RecordError(f"{path}: no responses (the file is empty)")

@@ -10,11 +10,14 @@ One call does pause -> update weights -> (flush the prefix cache) -> set the wei
 | ``keep`` | ``/pause_generation {"mode": "in_place"}`` | paused, then continue on the new weights with their old KV cache | rows before the switch old, after it new (``weight_versions`` spans) |
 | ``retract`` | ``/pause_generation {"mode": "retract"}`` | re-prefilled under the new weights | recomputed: records get ``recomputed`` spans (``num_retractions``); refused unless ``allow_retract=True`` |
 
-The update uses ``flush_cache=True`` so that no later request is served prefix rows
-computed with old weights under the new version. NOTE: SGLang cannot flush while requests
-sit in the running batch, so in ``keep`` mode the update goes without the flush and the
-cache is flushed after resume (``/flush_cache?timeout=``, which waits for the batch to
-drain); requests admitted in between can still hit old-weight prefixes.
+The update uses ``flush_cache=True`` (abort, wait) so that no later request is served
+prefix rows computed with old weights under the new version. NOTE: SGLang cannot flush
+while requests sit in the running batch (keep) or the waiting queue (retract puts them
+back there), and it asserts the in-update flush succeeds; in those modes the update goes
+without the flush and the cache is flushed after resume (``/flush_cache?timeout=``, which
+waits for the batch to drain): requests admitted in between can still hit old-weight
+prefixes. A version-only bump flushes while paused (abort) or after (wait, keep). If that
+late flush fails, weights and version are already committed: the error says so by step.
 
 Endpoints and fields: SGLang 0.5.23 ``entrypoints/http_server.py`` and
 ``managers/io_struct.py`` (``PauseGenerationReqInput``, ``UpdateWeightFromDiskReqInput``,
@@ -147,28 +150,39 @@ class SGLangWeightSync:
                 paused = True
             if source is not None:
                 step = "update_weights"
-                self.update_weights(source, weight_version=version, flush_cache=mode != "keep")
+                # NOTE: SGLang asserts the in-update flush succeeds, and it cannot flush with
+                # requests running (keep) or queued again (retract): those flush after resume.
+                self.update_weights(source, weight_version=version,
+                                    flush_cache=mode in ("abort", "wait"))
                 calls.append({FromDisk: "/update_weights_from_disk",
                               FromTensor: "/update_weights_from_tensor",
                               FromDistributed: "/update_weights_from_distributed"}[type(source)])
             else:
                 step = "update_weight_version"
-                self.update_weight_version(version)
+                res = self.update_weight_version(version)
+                if isinstance(res, dict) and res.get("success") is False:
+                    raise WeightSyncError(f"/update_weight_version: {res.get('message', 'failed')}")
                 calls.append("/update_weight_version")
+                if mode == "abort":                   # idle while paused: flush now
+                    step = "flush_cache"
+                    self.flush_cache()
+                    calls.append("/flush_cache")
             if paused:
                 step = "continue_generation"
                 self.resume()
                 calls.append("/continue_generation")
                 paused = False
-            if mode == "keep" or source is None:
+            if mode in ("keep", "retract") or (source is None and mode == "wait"):
                 step = "flush_cache"
                 self.flush_cache(timeout_s=drain_timeout_s)
                 calls.append("/flush_cache")
-        except (RouteReplayError, OSError) as e:
+        except BaseException as e:
             if paused:
                 try:
                     self.resume()
                 except RouteReplayError:
                     pass
-            raise WeightSyncError(f"weight sync to version {version!r} failed at {step}: {e}") from None
+            if isinstance(e, (RouteReplayError, OSError)):
+                raise WeightSyncError(f"weight sync to version {version!r} failed at {step}: {e}") from None
+            raise
         return calls

@@ -63,8 +63,29 @@ def _forced_forward(router, forced: torch.Tensor | None, used: list):
         if _normalises(router):
             weights = weights / weights.sum(-1, keepdim=True)
         used.append(idx.detach().cpu())
-        return logits, weights.to(logits.dtype), idx
+        # NOTE: as the model's own router: Qwen casts the gate weights to the logits dtype,
+        # Mixtral returns them in float32
+        if not type(router).__name__.startswith("Mixtral"):
+            weights = weights.to(logits.dtype)
+        return logits, weights, idx
     return forward
+
+
+def _checked(f: torch.Tensor, router: torch.nn.Module, layer: int) -> torch.Tensor:
+    """Replay ids of one layer: integer, in [0, num_experts) or whole rows of -1, distinct."""
+    f = torch.as_tensor(f)
+    if f.dtype.is_floating_point or f.dtype == torch.bool or f.ndim != 2:
+        raise AlignmentError(f"MoE layer {layer}: replay ids must be an integer [tokens, top_k] "
+                             f"tensor, got {f.dtype} {tuple(f.shape)}")
+    f = f.long()
+    neg = f < 0
+    if ((f < -1) | (f >= router.num_experts)).any() or (neg.any(-1) & ~neg.all(-1)).any():
+        raise AlignmentError(f"MoE layer {layer}: replay ids outside [0, {router.num_experts}) or "
+                             "rows only partly -1")
+    s = torch.sort(f, -1).values
+    if ((s[:, 1:] == s[:, :-1]) & (s[:, 1:] >= 0)).any():
+        raise AlignmentError(f"MoE layer {layer}: replay ids repeat an expert within a row")
+    return f
 
 
 @contextlib.contextmanager
@@ -76,8 +97,10 @@ def hf_replay(model: torch.nn.Module, forced: Sequence[torch.Tensor | None] | No
     the ids used (int64 [tokens, top_k]), in layer order.
     """
     routers = moe_routers(model)
-    if forced is not None and len(forced) != len(routers):
-        raise AlignmentError(f"{len(forced)} layers of replay ids for {len(routers)} MoE routers")
+    if forced is not None:
+        if len(forced) != len(routers):
+            raise AlignmentError(f"{len(forced)} layers of replay ids for {len(routers)} MoE routers")
+        forced = [None if f is None else _checked(f, r, i) for i, (f, r) in enumerate(zip(forced, routers))]
     used: list[torch.Tensor] = []
     try:
         for i, r in enumerate(routers):
@@ -91,6 +114,9 @@ def hf_replay(model: torch.nn.Module, forced: Sequence[torch.Tensor | None] | No
 def replay_ids(record: RoutingRecord, schema: RoutingSchema, seq_len: int) -> list[torch.Tensor]:
     """Per MoE layer int64 [seq_len, top_k]: the record's ids at their token positions
     (row i = position start + i), -1 where the record has no row."""
+    if record.start > seq_len:
+        raise AlignmentError(f"sample {record.sample_id!r}: routing starts at position "
+                             f"{record.start}, past the {seq_len}-token sequence")
     out = np.full((seq_len, schema.num_moe_layers, schema.top_k), -1, dtype=np.int64)
     end = min(record.start + record.num_tokens, seq_len)
     out[record.start:end] = record.ids[:end - record.start]
