@@ -161,8 +161,8 @@ def _record_from_response(resp: Mapping[str, Any], schema: RoutingSchema, *,
         ``weight_version`` covers every row); ``recomputed`` = every row when
         ``num_retractions > 0`` (SGLang re-prefills a retracted request, overwriting its
         routes with ones computed later, possibly under new weights, while the log-probs
-        of the tokens sampled before the retract came from the old routes);
-        ``prefix_cached`` = [0, cached_tokens).
+        of the tokens sampled before the retract came from the old routes), and those rows
+        then carry the last span's version; ``prefix_cached`` = [0, cached_tokens).
     Raises:
         RecordError: naming the request: routed_experts missing (says which flag), not
             base64, not whole rows, a row count that does not fit the token counts,
