@@ -31,6 +31,7 @@ from typing import BinaryIO, Iterator, Sequence
 
 import numpy as np
 
+from routereplay import wire
 from routereplay.errors import RecordError, SchemaError
 from routereplay.record import RoutingRecord, checked_moe_ids
 from routereplay.schema import RoutingSchema
@@ -203,20 +204,16 @@ def _payloads(line: bytes, default_id: str, where: str) -> list[tuple[str, str |
 
 
 def _decode_b64(b64: str | bytes, kind: str, schema: RoutingSchema, sid: str) -> np.ndarray:
+    if not b64.strip():
+        raise RecordError(f"sample {sid!r}: routed_experts is empty")
     try:
+        if kind == "sglang-b64":
+            return wire.decode_sglang_b64_int32(b64, schema.num_hidden_layers, schema.top_k)
         raw = base64.b64decode(b64, validate=True)
     except (binascii.Error, ValueError) as e:
-        raise RecordError(f"sample {sid!r}: routed_experts is not base64 ({e})") from None
-    if not raw:
-        raise RecordError(f"sample {sid!r}: routed_experts is empty")
-    if kind == "vllm-b64":
-        return load_npy(io.BytesIO(raw), len(raw), f"sample {sid!r}: routed_experts")
-    per_row = schema.num_hidden_layers * schema.top_k
-    if len(raw) % 4 or (len(raw) // 4) % per_row:
-        raise RecordError(
-            f"sample {sid!r}: {len(raw)} bytes of int32 routing is not a whole number of rows "
-            f"of num_hidden_layers x top_k = {schema.num_hidden_layers} x {schema.top_k}")
-    return np.frombuffer(raw, dtype="<i4").reshape(-1, schema.num_hidden_layers, schema.top_k)
+        raise RecordError(f"sample {sid!r}: {e}" if kind == "sglang-b64" else
+                          f"sample {sid!r}: routed_experts is not base64 ({e})") from None
+    return load_npy(io.BytesIO(raw), len(raw), f"sample {sid!r}: routed_experts")
 
 
 def iter_records(kind: str, path: str, schema: RoutingSchema) -> Iterator[RoutingRecord]:

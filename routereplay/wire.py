@@ -9,7 +9,9 @@
 from __future__ import annotations
 
 import base64
+import binascii
 import io
+from typing import Sequence
 
 import numpy as np
 
@@ -29,3 +31,27 @@ def sglang_b64_int32(full_ids: np.ndarray) -> bytes:
 def decode_vllm_b64_npy(data: bytes | str) -> np.ndarray:
     """Inverse of :func:`vllm_b64_npy` (never unpickles: allow_pickle=False)."""
     return np.load(io.BytesIO(base64.b64decode(data)), allow_pickle=False)
+
+
+def decode_sglang_b64_int32(data: str | bytes, num_hidden_layers: int, top_k: int,
+                            extra_widths: Sequence[int] = ()) -> np.ndarray:
+    """Inverse of :func:`sglang_b64_int32`: int32 [rows, num_hidden_layers, width].
+
+    ``width`` is top_k, or the first of ``extra_widths`` (e.g. top_k plus fused
+    shared-expert columns) that makes the payload a whole number of rows.
+
+    Raises:
+        ValueError: not base64, or not a whole number of rows (the message says which).
+    """
+    try:
+        raw = base64.b64decode(data, validate=True)
+    except (binascii.Error, ValueError, TypeError) as e:
+        raise ValueError(f"routed_experts is not base64 ({e})") from None
+    for width in (top_k, *extra_widths):
+        if len(raw) % (4 * num_hidden_layers * width) == 0:
+            return np.frombuffer(raw, dtype="<i4").reshape(-1, num_hidden_layers, width)
+    raise ValueError(
+        f"routed_experts holds {len(raw)} bytes: not a whole number of rows of "
+        f"num_hidden_layers x top_k = {num_hidden_layers} x {top_k} int32"
+        + "".join(f" (or x {w})" for w in extra_widths))
+

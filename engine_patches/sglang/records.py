@@ -21,12 +21,11 @@ dropped when the payload carries them.
 """
 from __future__ import annotations
 
-import base64
-import binascii
 from typing import Any, Iterable, Mapping, Sequence
 
 import numpy as np
 
+from routereplay import wire
 from routereplay.errors import RecordError
 from routereplay.record import RoutingRecord, checked_moe_ids
 from routereplay.schema import RoutingSchema
@@ -93,29 +92,18 @@ def decode_routed_experts(b64: str, schema: RoutingSchema, rid: str,
     Raises:
         RecordError: not base64, or a length that is not a whole number of rows.
     """
+    k, s = schema.top_k, num_fused_shared_experts
     try:
-        raw = base64.b64decode(b64, validate=True)
-    except (binascii.Error, ValueError, TypeError) as e:
-        raise RecordError(f"request {rid!r}: routed_experts is not base64 ({e})") from None
-    n_layers, k = schema.num_hidden_layers, schema.top_k
-    if len(raw) % 4:
-        raise RecordError(f"request {rid!r}: routed_experts holds {len(raw)} bytes, not whole int32")
-    flat = np.frombuffer(raw, dtype="<i4")
-    for width in ([k] + ([k + num_fused_shared_experts] if num_fused_shared_experts else [])):
-        if flat.size % (n_layers * width) == 0:
-            full = flat.reshape(-1, n_layers, width)
-            if width > k:
-                extra = full[..., k:]
-                if not ((extra == -1) | (extra >= schema.num_experts)).all():
-                    raise RecordError(f"request {rid!r}: fused shared-expert columns hold "
-                                      "routed expert ids")
-                full = full[..., :k]
-            return full
-    raise RecordError(
-        f"request {rid!r}: routed_experts holds {flat.size} int32, not a whole number of rows "
-        f"of num_hidden_layers x top_k = {n_layers} x {k}"
-        + (f" (or x {k + num_fused_shared_experts} with fused shared experts)"
-           if num_fused_shared_experts else ""))
+        full = wire.decode_sglang_b64_int32(b64, schema.num_hidden_layers, k,
+                                            (k + s,) if s else ())
+    except ValueError as e:
+        raise RecordError(f"request {rid!r}: {e}") from None
+    if full.shape[2] > k:
+        extra = full[..., k:]
+        if not ((extra == -1) | (extra >= schema.num_experts)).all():
+            raise RecordError(f"request {rid!r}: fused shared-expert columns hold routed expert ids")
+        full = full[..., :k]
+    return full
 
 
 def record_from_response(resp: Mapping[str, Any], schema: RoutingSchema, *,

@@ -26,7 +26,7 @@ from typing import Any, Sequence
 import numpy as np
 import torch
 
-from routereplay import metrics
+from routereplay import metrics, verify
 from routereplay.errors import AlignmentError, RecordError
 from routereplay.record import RoutingRecord
 from routereplay.schema import RoutingSchema
@@ -92,25 +92,16 @@ def condition_metrics(records: Sequence[RoutingRecord], lp: torch.Tensor,
         used_sets: experts from the routers' output routing maps, int [b, s, L, k] (the set
             agreement is measured on these).
         used_ordered: top-k ids in the router's column order, int [b, s, L, k].
+    Returns:
+        routereplay.verify.summarize's figures for this pass, plus routing_agreement_ordered.
     """
-    deltas, eng, tr_set, tr_ord = [], [], [], []
-    per_sample = []
-    for j, r in enumerate(records):
-        n, p = len(r.token_ids), r.prompt_len
-        d = lp[j, p - 1:n - 1].detach().double().numpy() - r.logprobs.astype(np.float64)
-        rows = slice(r.start, r.start + r.num_tokens)
-        deltas.append(d)
-        eng.append(r.ids)
-        tr_set.append(used_sets[j, rows])
-        tr_ord.append(used_ordered[j, rows])
-        agree = metrics.routing_agreement(r.ids, used_sets[j, rows])
-        per_sample.append({"sample_id": r.sample_id, **metrics.logprob_metrics(d),
-                           "routing_agreement": agree["routing_agreement"]})
-    out = metrics.logprob_metrics(np.concatenate(deltas))
-    out.update(metrics.routing_agreement(np.concatenate(eng), np.concatenate(tr_set)))
+    out = verify.summarize(records, {"c": [(lp[j].detach().double().numpy(), used_sets[j])
+                                           for j in range(len(records))]})["c"]
+    eng = np.concatenate([r.ids for r in records])
+    ordered = np.concatenate([used_ordered[j, r.start:r.start + r.num_tokens]
+                              for j, r in enumerate(records)])
     out["routing_agreement_ordered"] = metrics.routing_agreement(
-        np.concatenate(eng), np.concatenate(tr_ord))["routing_agreement_ordered"]
-    out["per_sample"] = per_sample
+        eng, ordered)["routing_agreement_ordered"]
     return out
 
 
