@@ -1,0 +1,339 @@
+"""Alignment of routing records to a trainer's token layout.
+
+A trainer does not see a record's tokens the way the engine did: samples are padded (left
+or right), packed back to back (THD, ``cu_seqlens``), split across context-parallel ranks
+(zig-zag), scattered across tensor-parallel ranks (sequence parallel), and each pipeline
+stage / VPP chunk holds only some MoE layers. Everything here is numpy; it only answers
+"which (sample, token position) is router input row n on this rank", fetches those rows,
+and checks them.
+
+Conventions (megatron-core, the layout its routers see):
+
+- bshd microbatch: hidden states ``[s, b, h]`` flattened s-major, so router row
+  ``c * b + j`` is column c of sample j.
+- THD (packed): ``[t, 1, h]``; row n is packed position n. Sample j occupies
+  ``[cu_seqlens_padded[j], cu_seqlens_padded[j] + lengths[j])``; the rest of its padded
+  segment is padding.
+- Context parallel (``get_batch_on_this_cp_rank``): the sequence axis is cut into
+  ``2 * cp`` equal chunks and rank r keeps chunks r and ``2*cp - 1 - r``; with THD the cut is
+  made per sample on its padded segment (Transformer Engine's
+  ``thd_get_partitioned_indices``).
+- Sequence parallel: after CP, the local sequence axis is cut into ``tp`` contiguous chunks,
+  TP rank t keeps chunk t (megatron's ``scatter_to_sequence_parallel_region``).
+- A record's row i is token position ``record.start + i``; positions outside
+  ``[start, start + num_tokens)`` (the last token, skipped prompt rows, truncation) have no
+  routing: their rows are ``MISSING`` (-1) and get the trainer's fallback.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable, Sequence
+
+import numpy as np
+
+from routereplay.errors import AlignmentError
+from routereplay.schema import RoutingSchema
+
+MISSING = -1
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    """Token layout of one microbatch (all ranks of a model replica see the same one).
+
+    Attributes:
+        lengths: tokens of each sample in the microbatch (after any truncation), in batch
+            order. Sample j holds token positions ``[first[j], first[j] + lengths[j])`` of its
+            record's sequence.
+        seq_len: bshd: padded sequence length s (tokens); THD: packed length, at least
+            ``cu_seqlens_padded[-1]`` (slots past it are padding; 0 = exactly that).
+        padding: bshd only: "right" (tokens at columns [0, len)) or "left" (at [s - len, s)).
+        cu_seqlens_padded: THD only: int [b + 1] start of each sample's padded segment in the
+            packed axis (megatron ``PackedSeqParams.cu_seqlens_q_padded``); None = bshd.
+        first: first token position of each sample (default 0; > 0 when the trainer drops
+            a left part of the sequence).
+    """
+
+    lengths: tuple[int, ...]
+    seq_len: int = 0
+    padding: str = "right"
+    cu_seqlens_padded: tuple[int, ...] | None = None
+    first: tuple[int, ...] | None = None
+
+    def __post_init__(self):
+        object.__setattr__(self, "lengths", tuple(int(x) for x in self.lengths))
+        if self.first is not None:
+            object.__setattr__(self, "first", tuple(int(x) for x in self.first))
+            if len(self.first) != len(self.lengths) or min(self.first, default=0) < 0:
+                raise AlignmentError(f"layout: first {self.first} must give one position >= 0 "
+                                     f"per sample ({len(self.lengths)} samples)")
+        if any(n < 0 for n in self.lengths):
+            raise AlignmentError(f"layout: negative sample length in {self.lengths}")
+        if self.cu_seqlens_padded is not None:
+            cu = tuple(int(x) for x in self.cu_seqlens_padded)
+            object.__setattr__(self, "cu_seqlens_padded", cu)
+            if len(cu) != len(self.lengths) + 1 or cu[0] != 0:
+                raise AlignmentError(f"layout: cu_seqlens_padded {cu} needs {len(self.lengths) + 1} "
+                                     "entries starting at 0")
+            for j, n in enumerate(self.lengths):
+                if cu[j + 1] - cu[j] < n:
+                    raise AlignmentError(f"layout: sample #{j} has {n} tokens but its packed "
+                                         f"segment [{cu[j]}, {cu[j + 1]}) holds {cu[j + 1] - cu[j]}")
+        else:
+            if self.padding not in ("right", "left"):
+                raise AlignmentError(f"layout: padding must be 'right' or 'left', got {self.padding!r}")
+            if self.lengths and max(self.lengths) > self.seq_len:
+                raise AlignmentError(f"layout: a sample has {max(self.lengths)} tokens but "
+                                     f"seq_len is {self.seq_len}")
+
+    @property
+    def packed(self) -> bool:
+        return self.cu_seqlens_padded is not None
+
+    @property
+    def batch_size(self) -> int:
+        """Samples in the microbatch."""
+        return len(self.lengths)
+
+    @classmethod
+    def packed_from_lengths(cls, lengths: Sequence[int], multiple: int = 1,
+                            first: Sequence[int] | None = None) -> "Layout":
+        """THD layout with each sample's segment padded to a multiple of ``multiple`` tokens
+        (megatron needs ``2 * cp * tp`` with CP and SP)."""
+        cu = [0]
+        for n in lengths:
+            cu.append(cu[-1] + -(-int(n) // multiple) * multiple)
+        return cls(lengths=tuple(lengths), cu_seqlens_padded=tuple(cu),
+                   first=None if first is None else tuple(first))
+
+    def grid(self) -> tuple[np.ndarray, np.ndarray]:
+        """(sample, position) of every token slot before any parallel split.
+
+        Returns:
+            two int64 arrays [s, b] (bshd) or [t, 1] (THD): the sample index in the
+            microbatch and the token position in its sequence; -1 for padding slots.
+        """
+        b = self.batch_size
+        first = self.first or (0,) * b
+        if self.packed:
+            t = max(self.cu_seqlens_padded[-1], self.seq_len)
+            sample = np.full((t, 1), MISSING, np.int64)
+            pos = np.full((t, 1), MISSING, np.int64)
+            for j, n in enumerate(self.lengths):
+                a = self.cu_seqlens_padded[j]
+                sample[a:a + n, 0] = j
+                pos[a:a + n, 0] = first[j] + np.arange(n)
+            return sample, pos
+        s = self.seq_len
+        sample = np.full((s, b), MISSING, np.int64)
+        pos = np.full((s, b), MISSING, np.int64)
+        for j, n in enumerate(self.lengths):
+            a = 0 if self.padding == "right" else s - n
+            sample[a:a + n, j] = j
+            pos[a:a + n, j] = first[j] + np.arange(n)
+        return sample, pos
+
+
+@dataclasses.dataclass(frozen=True)
+class Shard:
+    """This rank's place in the sequence splits (megatron parallel_state)."""
+
+    cp_size: int = 1
+    cp_rank: int = 0
+    tp_size: int = 1
+    tp_rank: int = 0
+    sequence_parallel: bool = False
+
+
+def _cp_zigzag(x: np.ndarray, cp: int, r: int, what: str) -> np.ndarray:
+    n = x.shape[0]
+    if n % (2 * cp):
+        raise AlignmentError(f"context parallel size {cp}: {what} of {n} tokens is not a "
+                             f"multiple of 2*cp = {2 * cp}")
+    c = n // (2 * cp)
+    return np.concatenate([x[r * c:(r + 1) * c], x[(2 * cp - 1 - r) * c:(2 * cp - r) * c]])
+
+
+@dataclasses.dataclass(frozen=True)
+class TokenMap:
+    """Where each router input row of this rank comes from.
+
+    Attributes:
+        sample: int64 [N], index of the sample in the microbatch; -1 for padding.
+        position: int64 [N], token position in the sample's sequence; -1 for padding.
+    N is the number of tokens this rank's routers see for the microbatch.
+    """
+
+    sample: np.ndarray
+    position: np.ndarray
+
+    @property
+    def num_rows(self) -> int:
+        return int(self.sample.shape[0])
+
+    def ranges(self) -> dict[int, list[tuple[int, int]]]:
+        """Contiguous runs of positions needed per sample: {j: [(lo, hi), ...]} (hi exclusive)."""
+        out: dict[int, list[tuple[int, int]]] = {}
+        for j in np.unique(self.sample[self.sample >= 0]):
+            p = np.unique(self.position[self.sample == j])
+            cut = np.flatnonzero(np.diff(p) != 1) + 1
+            out[int(j)] = [(int(run[0]), int(run[-1]) + 1) for run in np.split(p, cut)]
+        return out
+
+
+def token_map(layout: Layout, shard: Shard = Shard()) -> TokenMap:
+    """Router input rows of one rank for a microbatch, in megatron's order.
+
+    Raises:
+        AlignmentError: the sequence cannot be split as configured (length not a multiple of
+            2*cp, or of tp with sequence parallel).
+    """
+    sample, pos = layout.grid()
+    if shard.cp_size > 1:
+        if layout.packed:
+            cu = layout.cu_seqlens_padded
+            if sample.shape[0] != cu[-1]:
+                raise AlignmentError("context parallel with packed sequences: pad the last "
+                                     "segment instead of the packed axis (seq_len must equal "
+                                     f"cu_seqlens_padded[-1] = {cu[-1]})")
+            parts_s, parts_p = [], []
+            for j in range(layout.batch_size):
+                seg = slice(cu[j], cu[j + 1])
+                what = f"sample #{j}'s packed segment"
+                parts_s.append(_cp_zigzag(sample[seg], shard.cp_size, shard.cp_rank, what))
+                parts_p.append(_cp_zigzag(pos[seg], shard.cp_size, shard.cp_rank, what))
+            sample, pos = np.concatenate(parts_s), np.concatenate(parts_p)
+        else:
+            sample = _cp_zigzag(sample, shard.cp_size, shard.cp_rank, "the sequence")
+            pos = _cp_zigzag(pos, shard.cp_size, shard.cp_rank, "the sequence")
+    if shard.sequence_parallel and shard.tp_size > 1:
+        n = sample.shape[0]
+        if n % shard.tp_size:
+            raise AlignmentError(f"sequence parallel over tp={shard.tp_size}: local sequence of "
+                                 f"{n} tokens is not a multiple of tp")
+        c = n // shard.tp_size
+        sample = sample[shard.tp_rank * c:(shard.tp_rank + 1) * c]
+        pos = pos[shard.tp_rank * c:(shard.tp_rank + 1) * c]
+    return TokenMap(sample=sample.reshape(-1).copy(), position=pos.reshape(-1).copy())
+
+
+# fetch(j, lo, hi) -> (ids [n, L, k] for positions [first, first + n), first): the rows of
+# sample j within [lo, hi) that carry routing (possibly none: n == 0).
+Fetch = Callable[[int, int, int], tuple[np.ndarray, int]]
+
+
+def gather_rows(tmap: TokenMap, fetch: Fetch, num_layers: int, top_k: int) -> np.ndarray:
+    """Routing rows for a token map.
+
+    Args:
+        tmap: this rank's rows (see :func:`token_map`).
+        fetch: reads one sample's rows for a position range (already restricted to the
+            layers this rank needs); called once per contiguous run of positions.
+        num_layers: L_local, MoE layers returned by ``fetch``.
+        top_k: K.
+    Returns:
+        int64 [N, L_local, K]: replay ids in router row order; rows without routing
+        (padding, positions the record does not cover) are all ``MISSING``.
+    """
+    out = np.full((tmap.num_rows, num_layers, top_k), MISSING, np.int64)
+    for j, runs in tmap.ranges().items():
+        rows = np.flatnonzero(tmap.sample == j)
+        p = tmap.position[rows]
+        for lo, hi in runs:
+            ids, first = fetch(j, lo, hi)
+            n = ids.shape[0]
+            if n == 0:
+                continue
+            if ids.shape[1:] != (num_layers, top_k):
+                raise AlignmentError(f"sample #{j}: fetched rows have shape {ids.shape[1:]}, "
+                                     f"expected ({num_layers}, {top_k})")
+            sel = (p >= first) & (p < first + n)
+            out[rows[sel]] = ids[p[sel] - first].astype(np.int64)
+    return out
+
+
+def check_rows(ids: np.ndarray, tmap: TokenMap, schema: RoutingSchema,
+               layer_ids: Sequence[int], sample_ids: Sequence[str], *,
+               num_groups: int | None = None, topk_group: int | None = None) -> None:
+    """Validate replay rows before they reach a router.
+
+    Args:
+        ids: int64 [N, L_local, K] from :func:`gather_rows`.
+        tmap: the rows' token map.
+        layer_ids: decoder-layer id (0-based) of each of the L_local layers.
+        sample_ids: record id of each sample of the microbatch.
+        num_groups, topk_group: group-limited routing (DeepSeek-V3 ``n_group`` and
+            ``topk_group``): the experts of a row may come from at most ``topk_group`` of
+            ``num_groups`` equal groups.
+    Raises:
+        AlignmentError: naming the sample, token position and decoder layer of the first bad
+            row: an id out of [0, num_experts), a row that is partly missing, duplicate ids
+            in a row, a group-limit violation, or routing on a padding row.
+    """
+    if ids.size == 0:
+        return
+    e = schema.num_experts
+
+    def fail(row: int, layer: int, why: str) -> None:
+        j = int(tmap.sample[row])
+        who = f"sample {sample_ids[j]!r}" if j >= 0 else "a padding slot"
+        raise AlignmentError(f"{who}, token position {int(tmap.position[row])}, decoder layer "
+                             f"{layer_ids[layer]} (router row {row}): {why}")
+
+    miss = ids == MISSING
+    partial = miss.any(-1) & ~miss.all(-1)
+    if partial.any():
+        r, l = np.argwhere(partial)[0]
+        fail(r, l, f"row {ids[r, l].tolist()} is partly missing (-1)")
+    bad = (~miss) & ((ids < 0) | (ids >= e))
+    if bad.any():
+        r, l, _ = np.argwhere(bad)[0]
+        fail(r, l, f"expert id out of range [0, {e}) in {ids[r, l].tolist()}")
+    pad = (tmap.sample < 0)[:, None] & ~miss.all(-1)
+    if pad.any():
+        r, l = np.argwhere(pad)[0]
+        fail(r, l, "a padding slot carries routing")
+    srt = np.sort(ids, -1)
+    dup = ((srt[..., 1:] == srt[..., :-1]) & (srt[..., 1:] != MISSING)).any(-1)
+    if dup.any():
+        r, l = np.argwhere(dup)[0]
+        fail(r, l, f"duplicate expert ids in {ids[r, l].tolist()}")
+    if num_groups and topk_group and num_groups > 1:
+        if e % num_groups:
+            raise AlignmentError(f"num_experts {e} is not divisible by num_groups {num_groups}")
+        g = np.where(miss, MISSING, ids // (e // num_groups))
+        gs = np.sort(g, -1)
+        distinct = ((gs[..., 1:] != gs[..., :-1]) & (gs[..., 1:] != MISSING)).sum(-1) + 1
+        over = (distinct > topk_group) & ~miss.all(-1)
+        if over.any():
+            r, l = np.argwhere(over)[0]
+            fail(r, l, f"experts {ids[r, l].tolist()} span {int(distinct[r, l])} expert groups "
+                       f"but routing is limited to topk_group={topk_group} of {num_groups}")
+
+
+def coverage(ids: np.ndarray, tmap: TokenMap) -> tuple[int, int]:
+    """(rows with routing, token rows): padding slots are not counted; per layer rows are
+    counted once per layer."""
+    real = tmap.sample >= 0
+    have = ~(ids == MISSING).all(-1)             # [N, L]
+    return int(have[real].sum()), int(real.sum() * ids.shape[1])
+
+
+def fill_dummy(ids: np.ndarray, num_experts: int) -> np.ndarray:
+    """Rows without routing -> distinct dummy ids (for dispatchers that need exactly top_k
+    distinct experts per row and no trainer fallback).
+
+    Row n of every layer gets ``(n * K + arange(K)) % num_experts``: distinct within the row
+    (K <= num_experts) and spread over experts so no expert is flooded.
+
+    Args:
+        ids: int64 [N, L, K]; returned as a new array.
+    """
+    out = ids.copy()
+    miss = (out == MISSING).all(-1)                 # [N, L]
+    if miss.any():
+        n, k = out.shape[0], out.shape[2]
+        dummy = (np.arange(n)[:, None] * k + np.arange(k)[None]) % num_experts   # [N, K]
+        r, l = np.nonzero(miss)
+        out[r, l] = dummy[r]
+    return out
