@@ -25,7 +25,7 @@ def _cmd_demo(a: argparse.Namespace) -> int:
     cfg = DemoConfig(model=a.model, num_prompts=a.prompts, max_tokens=a.max_tokens,
                      engine_dtype=a.engine_dtype, router_perturb=a.router_perturb,
                      router_select_noise=a.router_select_noise,
-                     seed=a.seed, workdir=a.workdir)
+                     trainer_parallel=a.trainer_parallel, seed=a.seed, workdir=a.workdir)
     print("routereplay demo: building/loading the model, rolling out in vLLM, recomputing in "
           "megatron-core (about 2-4 minutes on 2 CPU cores) ...", file=sys.stderr, flush=True)
     res = run_demo(cfg)
@@ -224,6 +224,10 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--router-select-noise", type=float, default=0.0,
                    help="add N(0, EPS^2) noise to the router scores the trainer uses to select "
                         "its own top-k (gate values stay exact): routing flips only")
+    d.add_argument("--trainer-parallel", metavar="SPEC",
+                   help="megatron-core layout of the trainer side, run as gloo processes on "
+                        "this machine: tp=2,sp | ep=2[,dispatcher=allgather] | pp=2[,vpp=2] | "
+                        "dp=2 (cp cannot run on CPU: refused with the reason)")
     d.add_argument("--seed", type=int, default=0)
     d.add_argument("--workdir", help="keep the sidecar and logs here")
     d.set_defaults(func=_cmd_demo)

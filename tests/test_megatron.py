@@ -51,20 +51,40 @@ def test_perturbed_router_replay_forces_recorded_experts(tiny_model, hf_sidecar,
     assert all(g > 0 for g in res["replay_backward"]["router_grad_norms"])
 
 
-def test_fallback_rows_use_trainer_routing(tiny_model, tmp_path):
+def test_replayer_fallback_capacity_refusals_mtp(tiny_model, tmp_path):
+    """RouterReplayer at world size 1: per-token fallback (own / dummy), capacity-factor
+    dropping after replay, refused configs, clear errors, MTP keeps its own routing."""
     from tests.hf_reference import hf_records
     rng = np.random.default_rng(1)
     seqs = [rng.integers(3, 500, n).tolist() for n in (30, 24)]
     schema, recs = hf_records(tiny_model, seqs, prompt_len=10, start=6)
     sc = tmp_path / "fb.rrsc"
     write_records(str(sc), schema, recs)
-    p = run_py(["tests/mcore_fallback_check.py", tiny_model, str(sc)], timeout=300)
+    p = run_py(["tests/mcore_replay_checks.py", tiny_model, str(sc)], timeout=300)
     assert p.returncode == 0, p.stderr[-3000:]
     res = json.loads(p.stdout.split("RESULT ")[1])
-    assert res["covered_equal"] and res["fallback_equal_own"]
-    assert res["covered_differs_from_own"] > 0          # replay really overrode routing
-    assert res["fallback_rows"] == 2 * 6 * 3             # 2 samples x 6 rows x 3 MoE layers
-    assert res["duplicate_rows"] == 0
+    own = res["own"]
+    assert own["covered_equal"] and own["fallback_equal_own"]
+    assert own["covered_differs_from_own"] > 0          # replay really overrode routing
+    assert own["fallback_rows_first"] == 2 * 6 * 3       # 2 samples x 6 rows x 3 MoE layers
+    # + the last token of each sample (no row), counted by the replayer itself
+    assert own["stats_fallback_rows"] == 2 * 6 * 3 + 2 * 3
+    assert own["stats_replayed_rows"] == sum(r.num_tokens for r in recs) * 3
+    assert own["duplicate_rows"] == 0
+    d = res["dummy"]
+    assert d["covered_equal"] and d["fallback_rows_are_dummy"] and d["duplicate_rows"] == 0
+    cap = res["capacity"]
+    assert cap["replayed_selected"] and cap["map_subset_of_replayed"]
+    assert cap["dropped_assignments"] > 0
+    for name, why in (("fused", "moe_router_fusion=True"), ("sinkhorn", "sinkhorn"),
+                      ("disabled", "moe_enable_routing_replay is False")):
+        assert why in res["refused"][name], res["refused"]
+    assert res["bad_ids"] == ("sample 'hf1', token position 10, decoder layer 3 (router row 21): "
+                              f"duplicate expert ids in {res['bad_ids'].split(' in ')[-1]}")
+    assert "outside RouterReplayer.microbatch()" in res["outside"]
+    mtp = res["mtp"]
+    assert mtp["num_mtp_routers"] == 1 and mtp["backbone_layers"] == [1, 2, 3]
+    assert mtp["own_equal"] and mtp["rows"] == 2 * 30
 
 
 def test_schema_mismatch_is_a_clear_error(tiny_model, hf_sidecar, tmp_path):

@@ -34,6 +34,7 @@ class DemoConfig:
     engine_dtype: str = "bfloat16"
     router_perturb: float = 0.0       # std of noise added to the trainer's router weights
     router_select_noise: float = 0.0  # std of noise on router scores for top-k selection only
+    trainer_parallel: str | None = None   # megatron layout, e.g. "tp=2,sp", "pp=2,vpp=2"
     seed: int = 0
     workdir: str | None = None        # keep sidecar and intermediate files here
     rollout_timeout_s: float = 900.0
@@ -92,6 +93,10 @@ def run_demo(cfg: DemoConfig) -> dict[str, Any]:
         raise DemoError(f"model_type {model_type!r} of {model}: the trainer side maps "
                         f"{', '.join(TRAINER_MODEL_TYPES)} checkpoints to megatron-core")
 
+    # NOTE: a bad layout fails here, before the (minutes-long) rollout.
+    from trainer_hooks.megatron.parallel import ParallelSpec   # lazy: only the demo needs it
+    layout = ParallelSpec.parse(cfg.trainer_parallel)
+
     work = cfg.workdir or tempfile.mkdtemp(prefix="routereplay-demo-")
     os.makedirs(work, exist_ok=True)
     paths = {k: os.path.join(work, v) for k, v in dict(
@@ -111,7 +116,8 @@ def run_demo(cfg: DemoConfig) -> dict[str, Any]:
         sys.executable, "-m", "trainer_hooks.megatron.recompute", "--model", model,
         "--sidecar", paths["sidecar"], "--out", paths["trainer"],
         "--router-perturb", str(cfg.router_perturb),
-        "--router-select-noise", str(cfg.router_select_noise), "--seed", str(cfg.seed)],
+        "--router-select-noise", str(cfg.router_select_noise), "--seed", str(cfg.seed),
+        "--parallel", cfg.trainer_parallel or ""],
         dict(os.environ), cfg.trainer_timeout_s, paths["trainer_log"])
 
     with open(paths["rollout"]) as f:
@@ -134,7 +140,7 @@ def run_demo(cfg: DemoConfig) -> dict[str, Any]:
         "model": model, "schema": schema.to_dict(), "engine": f"vllm {roll['vllm_version']}",
         "engine_dtype": cfg.engine_dtype, "trainer_dtype": "float32",
         "router_perturb": cfg.router_perturb, "router_select_noise": cfg.router_select_noise,
-        "num_prompts": cfg.num_prompts,
+        "trainer_parallel": layout.describe(), "num_prompts": cfg.num_prompts,
         "max_tokens": cfg.max_tokens, "sidecar": paths["sidecar"],
         "timings_s": {"engine_start": roll["engine_start_s"], "generate": roll["generate_s"],
                       "trainer_build": tr["build_s"]},
@@ -150,7 +156,8 @@ def format_report(res: dict[str, Any]) -> str:
         f"  {s['num_hidden_layers']} layers, MoE layers {s['moe_layer_ids']}, "
         f"{s['num_experts']} experts, top-{s['top_k']}",
         f"engine {res['engine']} ({res['engine_dtype']}) -> sidecar -> megatron-core "
-        f"({res['trainer_dtype']}); {res['num_prompts']} prompts x {res['max_tokens']} new tokens"
+        f"({res['trainer_dtype']}, {res['trainer_parallel']}); {res['num_prompts']} prompts x "
+        f"{res['max_tokens']} new tokens"
         + (f"; trainer router weights perturbed by {res['router_perturb']:g}"
            if res["router_perturb"] else "")
         + (f"; trainer top-k selection noise {res['router_select_noise']:g}"

@@ -45,19 +45,21 @@ from trainer_hooks.megatron.parallel import ParallelSpec, launch
 
 
 def check_records(records: Sequence[RoutingRecord], schema: RoutingSchema) -> None:
-    """Records must carry token ids, a prompt length and engine log-probs.
+    """Records must carry token ids, a prompt length and engine log-probs, and the engine's
+    row count (N - 1 - start rows for N tokens). Expert ids are checked per microbatch by
+    the replayer (routereplay.align.check_rows) as each rank decodes its rows.
 
     Raises:
-        AlignmentError naming the sample.
+        AlignmentError / RecordError naming the sample.
     """
     for r in records:
         if r.token_ids is None or r.logprobs is None or r.prompt_len is None:
             raise AlignmentError(f"sample {r.sample_id!r}: the record holds no token ids, "
                                  "prompt length or engine log-probs to recompute")
-        if r.start + r.num_tokens > len(r.token_ids):
-            raise AlignmentError(f"sample {r.sample_id!r}: routing rows cover positions up to "
-                                 f"{r.start + r.num_tokens} but the sample has "
-                                 f"{len(r.token_ids)} tokens")
+        # the record's own checks, on its metadata (ids decoded with no layers here)
+        dataclasses.replace(r, ids=np.broadcast_to(np.arange(schema.top_k, dtype=schema.id_dtype),
+                                           (r.num_tokens, schema.num_moe_layers, schema.top_k))
+                    ).validate(schema)
 
 
 @dataclasses.dataclass

@@ -112,6 +112,8 @@ class ReplayStats:
             fallback (padding rows excluded), counted on first forward only.
         dropped_assignments: (token, expert) assignments removed by capacity-factor token
             dropping after replay.
+        microbatches: (microbatch, model chunk) loads in the step.
+        peak_microbatches_held: most (microbatch, model chunk) entries held at once.
     """
 
     bytes_decoded: int = 0
@@ -121,6 +123,7 @@ class ReplayStats:
     fallback_rows: int = 0
     dropped_assignments: int = 0
     microbatches: int = 0
+    peak_microbatches_held: int = 0
 
 
 def _unwrap_config(chunk: Any):
@@ -391,6 +394,8 @@ class RouterReplayer:
         self.stats.bytes_held += n
         self.stats.peak_bytes_held = max(self.stats.peak_bytes_held, self.stats.bytes_held)
         self.stats.microbatches += 1
+        self.stats.peak_microbatches_held = max(self.stats.peak_microbatches_held,
+                                                len(self._held))
 
     def _release(self, key: Any, ci: int) -> None:
         h = self._held.pop((key, ci), None)

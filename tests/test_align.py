@@ -1,0 +1,162 @@
+"""Alignment of records to trainer token layouts (routereplay.align): padding, packing,
+context-parallel zig-zag, sequence-parallel split, validation, fallback ids."""
+import numpy as np
+import pytest
+from hypothesis import given, settings, strategies as st
+
+from routereplay import align
+from routereplay.errors import AlignmentError
+from routereplay.record import RoutingRecord
+from routereplay.schema import RoutingSchema
+from tests.conftest import random_record
+
+
+def _fetch_from(records, layers):
+    def fetch(j, lo, hi):
+        r = records[j]
+        a, b = max(lo, r.start), min(hi, r.start + r.num_tokens)
+        if b <= a:
+            return np.zeros((0, len(layers), r.ids.shape[2]), r.ids.dtype), lo
+        return r.ids[a - r.start:b - r.start][:, layers], a
+    return fetch
+
+
+def test_right_and_left_padding_rows_are_s_major(schema):
+    recs = [random_record(schema, "a", 6, 1), random_record(schema, "b", 4, 2)]
+    for padding in ("right", "left"):
+        lay = align.Layout(lengths=(6, 4), seq_len=7, padding=padding)
+        tm = align.token_map(lay)
+        ids = align.gather_rows(tm, _fetch_from(recs, [0, 1, 2]), 3, 4)
+        assert ids.shape == (14, 3, 4)
+        for c in range(7):
+            for j, r in enumerate(recs):
+                n = lay.lengths[j]
+                a = 0 if padding == "right" else 7 - n
+                row = ids[c * 2 + j]                   # megatron: [s, b] flattened s-major
+                p = c - a
+                if 0 <= p < r.num_tokens:              # record rows: positions 0..n-2
+                    assert (row == r.ids[p]).all()
+                    assert tm.sample[c * 2 + j] == j and tm.position[c * 2 + j] == p
+                else:
+                    assert (row == align.MISSING).all()
+
+
+def test_packed_rows_and_start_offset(schema):
+    r0 = random_record(schema, "a", 5, 1)
+    r1 = random_record(schema, "b", 7, 2)
+    r1 = RoutingRecord(sample_id="b", ids=r1.ids[3:], start=3)   # prompt rows 0..2 skipped
+    lay = align.Layout.packed_from_lengths([5, 7], multiple=4)
+    assert lay.cu_seqlens_padded == (0, 8, 16)
+    tm = align.token_map(lay)
+    ids = align.gather_rows(tm, _fetch_from([r0, r1], [2]), 1, 4)
+    assert (ids[0:4, 0] == r0.ids[:, 2]).all()
+    assert (ids[4:8] == align.MISSING).all()           # last token of a + segment padding
+    assert (ids[8:11] == align.MISSING).all()          # positions 0..2 of b: no routing
+    assert (ids[11:14, 0] == r1.ids[:, 2]).all()       # positions 3..5
+    assert (ids[14:16] == align.MISSING).all()
+    assert align.coverage(ids, tm) == (4 + 3, 12)
+
+
+def test_sequence_parallel_split_is_contiguous_in_s(schema):
+    lay = align.Layout(lengths=(8, 5), seq_len=8)
+    full = align.token_map(lay)
+    parts = [align.token_map(lay, align.Shard(tp_size=2, tp_rank=t, sequence_parallel=True))
+             for t in range(2)]
+    assert np.array_equal(np.concatenate([p.sample for p in parts]), full.sample)
+    assert np.array_equal(np.concatenate([p.position for p in parts]), full.position)
+    with pytest.raises(AlignmentError, match="not a multiple of tp"):
+        align.token_map(align.Layout(lengths=(7,), seq_len=7),
+                        align.Shard(tp_size=2, tp_rank=0, sequence_parallel=True))
+
+
+def test_cp_zigzag_matches_megatron_get_batch_on_this_cp_rank(monkeypatch):
+    """Our bshd CP split against megatron-core's own get_batch_on_this_cp_rank."""
+    pytest.importorskip("megatron.core", reason="needs the trainer extra")
+    import torch
+    from megatron.core import parallel_state as ps
+    from megatron.core.utils import get_batch_on_this_cp_rank
+
+    lay = align.Layout(lengths=(16, 11, 9), seq_len=16, padding="left")
+    sample, pos = lay.grid()                         # [s, b]
+    for cp in (2, 4):
+        for r in range(cp):
+            monkeypatch.setattr(ps, "get_context_parallel_world_size", lambda: cp)
+            monkeypatch.setattr(ps, "get_context_parallel_rank", lambda: r)
+            got = get_batch_on_this_cp_rank({"tokens": torch.from_numpy(pos.T.copy()),
+                                             "labels": torch.from_numpy(sample.T.copy())})
+            tm = align.token_map(lay, align.Shard(cp_size=cp, cp_rank=r))
+            assert np.array_equal(tm.position, got["tokens"].numpy().T.reshape(-1))
+            assert np.array_equal(tm.sample, got["labels"].numpy().T.reshape(-1))
+
+
+@settings(max_examples=60, deadline=None)
+@given(lengths=st.lists(st.integers(0, 12), min_size=1, max_size=4),
+       cp=st.sampled_from([1, 2]), tp=st.sampled_from([1, 2, 4]), packed=st.booleans(),
+       left=st.booleans())
+def test_all_ranks_together_see_every_token_once(lengths, cp, tp, packed, left):
+    mult = 2 * cp * tp
+    if packed:
+        lay = align.Layout.packed_from_lengths(lengths, multiple=mult)
+    else:
+        s = -(-max(max(lengths), 1) // mult) * mult
+        lay = align.Layout(lengths=tuple(lengths), seq_len=s, padding="left" if left else "right")
+    seen = []
+    for c in range(cp):
+        for t in range(tp):
+            tm = align.token_map(lay, align.Shard(cp_size=cp, cp_rank=c, tp_size=tp, tp_rank=t,
+                                                  sequence_parallel=True))
+            seen += [(int(a), int(b)) for a, b in zip(tm.sample, tm.position) if a >= 0]
+    want = [(j, p) for j, n in enumerate(lengths) for p in range(n)]
+    assert sorted(seen) == sorted(want)
+
+
+def _rows(schema, rows):
+    return np.array(rows, dtype=np.int64).reshape(len(rows), 1, schema.top_k)
+
+
+def test_check_rows_names_sample_position_layer(schema):
+    tm = align.TokenMap(sample=np.array([0, 0, 1, -1]), position=np.array([0, 1, 5, -1]))
+    ok = _rows(schema, [[0, 1, 2, 3], [4, 5, 6, 7], [-1] * 4, [-1] * 4])
+    align.check_rows(ok, tm, schema, [2], ["s0", "s1"])
+    cases = [
+        ([[0, 1, 2, 3], [4, 5, 6, 16], [-1] * 4, [-1] * 4],
+         "sample 's0', token position 1, decoder layer 2.*out of range"),
+        ([[0, 1, 2, 3], [4, 5, 6, 7], [9, 9, 1, 2], [-1] * 4],
+         "sample 's1', token position 5, decoder layer 2.*duplicate"),
+        ([[0, 1, -1, 3], [4, 5, 6, 7], [-1] * 4, [-1] * 4],
+         "sample 's0', token position 0.*partly missing"),
+        ([[0, 1, 2, 3], [4, 5, 6, 7], [-1] * 4, [1, 2, 3, 4]], "padding slot carries routing"),
+    ]
+    for rows, msg in cases:
+        with pytest.raises(AlignmentError, match=msg):
+            align.check_rows(_rows(schema, rows), tm, schema, [2], ["s0", "s1"])
+
+
+def test_check_rows_group_limited_routing():
+    schema = RoutingSchema(num_hidden_layers=2, moe_layer_ids=(0, 1), top_k=4, num_experts=16)
+    tm = align.TokenMap(sample=np.array([0, 0]), position=np.array([3, 4]))
+    # 4 groups of 4 experts, at most 2 groups per token
+    ok = _rows(schema, [[0, 1, 4, 5], [8, 9, 10, 11]])
+    align.check_rows(ok, tm, schema, [1], ["x"], num_groups=4, topk_group=2)
+    bad = _rows(schema, [[0, 1, 4, 5], [0, 4, 8, 9]])
+    with pytest.raises(AlignmentError, match="token position 4, decoder layer 1.*3 expert groups"):
+        align.check_rows(bad, tm, schema, [1], ["x"], num_groups=4, topk_group=2)
+
+
+def test_fill_dummy_gives_distinct_ids():
+    ids = np.full((40, 2, 6), align.MISSING, np.int64)
+    ids[3, 1] = [0, 1, 2, 3, 4, 5]
+    out = align.fill_dummy(ids, 8)
+    assert (out[3, 1] == ids[3, 1]).all()
+    srt = np.sort(out, -1)
+    assert (srt[..., 1:] != srt[..., :-1]).all() and out.min() >= 0 and out.max() < 8
+    assert (ids[0] == align.MISSING).all()          # input untouched
+
+
+def test_layout_errors():
+    with pytest.raises(AlignmentError, match="seq_len is 4"):
+        align.Layout(lengths=(5,), seq_len=4)
+    with pytest.raises(AlignmentError, match="packed segment"):
+        align.Layout(lengths=(5, 2), cu_seqlens_padded=(0, 4, 8))
+    with pytest.raises(AlignmentError, match="multiple of 2\\*cp"):
+        align.token_map(align.Layout(lengths=(5,), seq_len=6), align.Shard(cp_size=2))
