@@ -74,7 +74,7 @@ def main() -> None:
           f"micro-batch size {a.mbs}")
     print(f"whole batch as uint8 ids: {whole_u8} B")
     print()
-    hdr = (f"{'layout':<18}{'rank':>5}{'decoded B':>11}{'decoded/batch':>15}"
+    hdr = (f"{'layout':<31}{'rank':>5}{'decoded B':>11}{'decoded/batch':>15}"
            f"{'peak held B':>13}{'peak MBs held':>15}{'loads':>7}{'held/int64 batch':>18}")
     print(hdr)
     print("-" * len(hdr))
@@ -94,7 +94,7 @@ def main() -> None:
         # per MoE layer per microbatch (set_replay_data appends each microbatch).
         int64_batch = -(-a.samples // a.mbs) * s * a.mbs * L * K * 8
         for rank, st in enumerate(res["replay_backward"]["replay_stats"]):
-            print(f"{res['parallel']:<18}{rank:>5}{st['bytes_decoded']:>11}"
+            print(f"{res['parallel']:<31}{rank:>5}{st['bytes_decoded']:>11}"
                   f"{st['bytes_decoded'] / whole_u8:>15.3f}{st['peak_bytes_held']:>13}"
                   f"{st['peak_microbatches_held']:>15}{st['microbatches']:>7}"
                   f"{st['peak_bytes_held'] / int64_batch:>18.4f}")

@@ -65,7 +65,9 @@ def bench(rank: int, a: argparse.Namespace) -> None:
         lp = torch.log_softmax(out[:, :-1].float(), -1).gather(-1, tokens[key][:, 1:, None])
         return -lp.mean(), {}
 
-    def step(use_replay: bool, source=None):
+    spent: dict[str, list[float]] = {"replay (sidecar)": [], "replay (in memory)": []}
+
+    def step(use_replay: bool, source=None, name: str | None = None):
         def fwd(it, chunk):
             key = next(it)
             if use_replay:
@@ -81,6 +83,8 @@ def bench(rank: int, a: argparse.Namespace) -> None:
         if use_replay:
             with replayer.step(source, mbs):
                 fb(**kw)
+            if name:
+                spent[name].append(replayer.stats.load_seconds + replayer.stats.select_seconds)
         else:
             fb(**kw)
         return time.perf_counter() - t0
@@ -101,8 +105,9 @@ def bench(rank: int, a: argparse.Namespace) -> None:
     reader = SidecarReader(buf)
     mem = {r.sample_id: r for r in records}
 
-    conds = {"plain": lambda: step(False), "replay (sidecar)": lambda: step(True, reader),
-             "replay (in memory)": lambda: step(True, mem)}
+    conds = {"plain": lambda: step(False),
+             "replay (sidecar)": lambda: step(True, reader, "replay (sidecar)"),
+             "replay (in memory)": lambda: step(True, mem, "replay (in memory)")}
     times: dict[str, list[float]] = {c: [] for c in conds}
     for it in range(a.iters + 1):
         for c, f in conds.items():
@@ -111,13 +116,21 @@ def bench(rank: int, a: argparse.Namespace) -> None:
                 times[c].append(dt)
     base = statistics.median(times["plain"])
     rows = s * b * m
-    print(f"megatron-core {conv.__name__.split('.')[0]}: hidden {a.hidden}, 4 layers (3 MoE, "
+    from trainer_hooks.megatron import MCORE_VERSION
+    print(f"megatron-core {MCORE_VERSION}: hidden {a.hidden}, 4 layers (3 MoE, "
           f"{a.experts} experts, top-{a.top_k}), {m} microbatches x {b} x {s} tokens, "
           f"recompute {'full' if a.recompute else 'off'}; median of {a.iters}")
-    print(f"{'condition':<22}{'fwd+bwd ms':>12}{'vs plain':>10}{'min ms':>10}")
+    print(f"{'condition':<22}{'fwd+bwd ms':>12}{'vs plain':>10}{'min ms':>10}"
+          f"{'replayer ms':>13}{'replayer share':>16}")
     for c, v in times.items():
         med = statistics.median(v)
-        print(f"{c:<22}{med * 1e3:>12.1f}{med / base:>10.4f}{min(v) * 1e3:>10.1f}")
+        own = statistics.median(spent[c]) if c in spent else 0.0
+        print(f"{c:<22}{med * 1e3:>12.1f}{med / base:>10.4f}{min(v) * 1e3:>10.1f}"
+              f"{own * 1e3:>13.2f}{own / med:>16.4f}")
+    print("replayer ms: time inside the replayer (decode + align + validate per microbatch, "
+          "selection per router call), measured in the same steps; replayer share = that / "
+          "fwd+bwd. The 'vs plain' ratio is the end-to-end figure but carries this machine's "
+          "run-to-run noise (a few %).")
     print(f"({rows} token rows per step; sidecar {len(buf.getvalue())} bytes)")
 
 

@@ -219,6 +219,9 @@ def checked_moe_ids(arr: np.ndarray, schema: RoutingSchema, sample_id: str, *, s
     bad = (moe < 0) | (moe >= schema.num_experts)
     if bad.any():
         t, l, k = (int(x) for x in np.argwhere(bad)[0])
+        v = int(moe[t, l, k])
+        hint = (" (a physical EPLB replica slot? routing must be recorded as logical expert "
+                "ids, before the EPLB mapping)") if v >= schema.num_experts else ""
         raise RecordError(f"sample {sample_id!r}, token {start + t}, layer {layer_ids[l]}: "
-                          f"expert id {int(moe[t, l, k])} outside [0, {schema.num_experts})")
+                          f"expert id {v} outside [0, {schema.num_experts}){hint}")
     return np.ascontiguousarray(moe.astype(schema.id_dtype))

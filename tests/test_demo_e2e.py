@@ -26,8 +26,13 @@ def _demo(tmp_path, *args):
     return p.stdout, json.loads(out.read_text())
 
 
-def test_demo_bf16_engine_vs_fp32_trainer(tmp_path):
-    stdout, res = _demo(tmp_path)
+@pytest.fixture(scope="module")
+def default_demo(tmp_path_factory):
+    return _demo(tmp_path_factory.mktemp("demo"))
+
+
+def test_demo_bf16_engine_vs_fp32_trainer(default_demo):
+    stdout, res = default_demo
     for c in ("no_replay", "replay"):
         assert set(KEYS) <= set(res[c]) and all(math.isfinite(res[c][k]) for k in KEYS)
     nr, r = res["no_replay"], res["replay"]
@@ -100,3 +105,41 @@ def test_demo_router_numerics_only(tmp_path):
     assert (tmp_path / "v.png").stat().st_size > 10_000
     assert {"routing_agreement_prompt", "routing_agreement_response"} <= set(v["replay"])
     assert len(v["replay"]["per_sample"]) == 16
+
+
+def test_demo_trainer_parallel_same_json(default_demo, tmp_path, tiny_model):
+    """`demo --trainer-parallel pp=2,vpp=2`: the trainer side runs as 2 gloo processes with
+    the interleaved schedule; the JSON has the same keys as the default demo's, and its
+    figures equal a world-size-1 recompute of the same sidecar."""
+    _, ref = default_demo
+    stdout, res = _demo(tmp_path, "--trainer-parallel", "pp=2,vpp=2", "--engine-dtype",
+                        "float32", "--prompts", "4", "--max-tokens", "16")
+    assert set(res) == set(ref)
+    for c in ("no_replay", "replay"):
+        assert set(res[c]) == set(ref[c])
+    assert res["trainer_parallel"] == "pp=2,vpp=2" and ref["trainer_parallel"] == "world 1"
+    assert "pp=2,vpp=2" in stdout
+    assert res["replay"]["routing_agreement"] == 1.0
+    out = tmp_path / "w1.json"
+    p = run_py(["-m", "trainer_hooks.megatron.recompute", "--model", tiny_model, "--sidecar",
+                res["sidecar"], "--out", str(out)], timeout=300)
+    assert p.returncode == 0, p.stderr[-3000:]
+    w1 = json.loads(out.read_text())
+    for c in ("no_replay", "replay"):
+        assert res[c]["num_rows"] == w1[c]["num_rows"] and res[c]["num_tokens"] == w1[c]["num_tokens"]
+        assert res[c]["routing_agreement"] == w1[c]["routing_agreement"]
+        # fp32 engine and trainer: what is left is rounding (~1e-5), which the layout's
+        # different summation order moves by as much
+        for k, tol in (("k3_kl", 1e-9), ("mean_abs_dlogp", 5e-6), ("max_abs_dlogp", 5e-5)):
+            assert res[c][k] == pytest.approx(w1[c][k], abs=tol), (c, k)
+            assert res[c][k] < 10 * tol, (c, k)
+    assert res["router_grad_norms"] == pytest.approx(w1["replay_backward"]["router_grad_norms"],
+                                                     rel=1e-4)
+
+
+def test_demo_refuses_context_parallel_before_rollout(tmp_path):
+    p = run_py(["-m", "routereplay.cli", "demo", "--trainer-parallel", "cp=2", "--workdir",
+                str(tmp_path / "work")], timeout=120)
+    assert p.returncode == 2
+    assert "cp > 1 cannot run on CPU" in p.stderr
+    assert not (tmp_path / "work" / "rollout.rrsc").exists()

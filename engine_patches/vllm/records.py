@@ -38,9 +38,30 @@ def record_from_output(output: Any, schema: RoutingSchema, *, sample_id: str | N
     """
     sid = str(sample_id if sample_id is not None else output.request_id)
     c = output.outputs[0]
-    prompt = list(output.prompt_token_ids or [])
-    gen = list(c.token_ids)
-    full = c.routed_experts
+    return record_from_parts(
+        sid, schema, prompt=list(output.prompt_token_ids or []), generated=list(c.token_ids),
+        routed_experts=c.routed_experts, start=start, logprobs=c.logprobs,
+        weight_versions=c.weight_versions,
+        num_cached_tokens=int(getattr(output, "num_cached_tokens", 0) or 0), engine=engine)
+
+
+def record_from_parts(sid: str, schema: RoutingSchema, *, prompt: list[int], generated: list[int],
+                      routed_experts: Any, start: int = 0, logprobs: Any = None,
+                      weight_versions: Any = None, num_cached_tokens: int = 0,
+                      engine: str = "vllm") -> RoutingRecord:
+    """The record of one finished completion from its parts (see :func:`record_from_output`).
+
+    Args:
+        routed_experts: vLLM's ``CompletionOutput.routed_experts`` (uint8/uint16
+            [P + G - 1 - start, num_hidden_layers, top_k]) or None.
+        logprobs: ``CompletionOutput.logprobs`` (one mapping token -> Logprob per generated
+            token) or None.
+        weight_versions: ``CompletionOutput.weight_versions`` (spans over output tokens).
+    Raises:
+        RecordError: naming the sample (routing missing, wrong row count, bad ids).
+    """
+    gen = list(generated)
+    full = routed_experts
     if full is None:
         raise RecordError(
             f"sample {sid!r}: vLLM returned no routed_experts; start the engine with "
@@ -54,16 +75,15 @@ def record_from_output(output: Any, schema: RoutingSchema, *, sample_id: str | N
             f"[{n - 1 - start}, {schema.num_hidden_layers}, {schema.top_k}] for "
             f"{len(prompt)} prompt + {len(gen)} generated tokens, start={start}")
     ids = checked_moe_ids(full, schema, sid, start=start)
-    logprobs = None
-    if c.logprobs is not None:
-        logprobs = np.array([float(d[t].logprob) for d, t in zip(c.logprobs, gen)],
-                            dtype=np.float32)
+    lp = None
+    if logprobs is not None:
+        lp = np.array([float(d[t].logprob) for d, t in zip(logprobs, gen)], dtype=np.float32)
     spans = output_spans_to_rows([(str(s.version), int(s.start), int(s.end))
-                                  for s in (c.weight_versions or [])], len(prompt))
-    cached = int(getattr(output, "num_cached_tokens", 0) or 0)
+                                  for s in (weight_versions or [])], len(prompt))
     rec = RoutingRecord(
         sample_id=sid, ids=ids, start=start, prompt_len=len(prompt),
-        token_ids=np.asarray(prompt + gen, dtype=np.int32), logprobs=logprobs,
-        weight_versions=spans, prefix_cached=[(0, cached)] if cached else [], engine=engine)
+        token_ids=np.asarray(prompt + gen, dtype=np.int32), logprobs=lp,
+        weight_versions=spans, prefix_cached=[(0, num_cached_tokens)] if num_cached_tokens else [],
+        engine=engine)
     rec.validate(schema)
     return rec

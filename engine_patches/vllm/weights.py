@@ -53,6 +53,15 @@ class RouteReplayWorkerExtension:
     def routereplay_reprepack_cpu_moe(self) -> int:
         return reprepack_cpu_moe(self)
 
+    def routereplay_load_tensors(self, names: list, tensors: list) -> None:
+        """Load named tensors (checkpoint names) through vLLM's own reload path."""
+        self.reload_weights(weights_iterator=list(zip(names, tensors)))
+
+    def routereplay_refresh_eplb(self) -> int:
+        """EPLB replica refresh after an update (engine_patches.vllm.eplb)."""
+        from engine_patches.vllm.eplb import refresh_worker
+        return refresh_worker(self)
+
 
 WORKER_EXTENSION = f"{__name__}.RouteReplayWorkerExtension"
 

@@ -420,7 +420,7 @@ def _record_checks(o: Options, ctx: dict[str, Any], records, schema) -> dict[str
     recorded = {r.sample_id: dataclasses.replace(
         r, ids=used0[r.sample_id].astype(schema.id_dtype), start=0) for r in records}
 
-    def compare(res, lp_exact: bool):
+    def compare(res):
         pr = _gather({"lp": res["lp"], "used": res["used"]})
         if dist.get_rank() != 0:
             return None
@@ -433,15 +433,15 @@ def _record_checks(o: Options, ctx: dict[str, Any], records, schema) -> dict[str
                 "set_agreement": agree}
 
     out: dict[str, Any] = {}
-    out["record_replay"] = compare(_run_condition(o, ctx, recorded), True)
+    out["record_replay"] = compare(_run_condition(o, ctx, recorded))
     saved = [router.weight.detach().clone() for ls in ctx["replayer"].layers for router, _ in ls]
     _perturb_routers(ctx, 0.5, o.seed + 100)
-    out["perturbed_own"] = compare(_run_condition(o, ctx, None), False)
-    out["perturbed_replay"] = compare(_run_condition(o, ctx, recorded), False)
+    out["perturbed_own"] = compare(_run_condition(o, ctx, None))
+    out["perturbed_replay"] = compare(_run_condition(o, ctx, recorded))
     mism = _RecomputeCheck(ctx)
     with mism:
         train = _run_condition(o, ctx, recorded, train=True)
-    out["perturbed_train"] = compare(train, False)
+    out["perturbed_train"] = compare(train)
     out["recompute_rows_checked"] = _gather(mism.checked)
     out["recompute_rows_differing"] = _gather(mism.differing)
     out["router_grad_norms"] = _router_grad_norms(ctx, schema)

