@@ -44,9 +44,11 @@ def rollouts(tiny_model, tmp_path_factory):
     _variant(tiny_model, str(d / "v2"), lambda w: torch.roll(w, 3, 0))   # new routing
     _variant(tiny_model, str(d / "tie"), _ties)
     from engine_patches.vllm.triton_cpu import engine_env
+    env = engine_env()
+    env["ROUTEREPLAY_SIDECAR"] = str(d / "plugin-async.rrsc")     # the plugin, with AsyncLLM
     p = run_py([os.path.join(REPO, "tests", "vllm_mixed_versions.py"), "--model", tiny_model,
                 "--v2", str(d / "v2"), "--tie", str(d / "tie"), "--out", str(d)],
-               timeout=900, env=engine_env())
+               timeout=900, env=env)
     assert p.returncode == 0, p.stderr[-4000:]
     return d
 
@@ -85,6 +87,40 @@ def test_keep_mode_update_replayed_against_the_right_versions(tiny_model, rollou
     assert res["v2", True][0][new].mean() <= res["v2", False][0][new].mean()
     # replayed against the wrong version: whole nats off
     assert res["v1", True][0][new].mean() > 1.0 and res["v2", True][0][old].mean() > 1.0
+
+
+def test_weight_sync_keep_and_abort_on_async_engine(tiny_model, rollouts):
+    """WeightSync.sync_async on AsyncLLM: keep mode cannot reset the prefix cache (the kept
+    request holds blocks), yet a prompt cached under v1 is not reused under v2 (version
+    salt); abort mode aborts the request in flight: vLLM returns the complete routing of
+    the tokens it did generate (P + G - 1 rows, all under the version that generated them),
+    so it is a valid record; the plugin streamed the same records."""
+    import json
+
+    from routereplay.sidecar import SidecarReader
+    from tests.hf_reference import hf_records
+    with open(rollouts / "sync.json") as f:
+        res = json.load(f)
+    assert res["keep"]["mode"] == "keep" and res["keep"]["prefix_cache_reset"] is False
+    assert res["abort"]["mode"] == "abort" and res["abort"]["prefix_cache_reset"] is True
+    assert res["cached"] == {"warm": 0, "after": 0, "post-abort": 0}
+    assert res["aborted_finish_reason"] == "abort" and 8 <= res["aborted_tokens"] < 400
+    assert res["abort_error"] is None
+    recs = {r.sample_id: r for r in SidecarReader(str(rollouts / "keep.rrsc")).records()}
+    ab = recs["abortme"]
+    assert ab.num_tokens == len(ab.token_ids) - 1 == ab.prompt_len + res["aborted_tokens"] - 1
+    for sid, model, version in (("warm", tiny_model, "v1"), ("after", str(rollouts / "v2"), "v2"),
+                                ("post-abort", tiny_model, "v3"),
+                                ("abortme", str(rollouts / "v2"), "v2")):
+        r = recs[sid]
+        _, (h,) = hf_records(model, [r.token_ids.tolist()], prompt_len=1)
+        assert np.array_equal(np.sort(r.ids, -1), np.sort(h.ids, -1)), sid
+        assert {s.version for s in r.weight_versions} == {version}, sid
+    st = res["plugin"]
+    assert st["written"] == 5 and st["aborted"] == 0 and st["missing"] == 0
+    plug = {r.sample_id: r for r in SidecarReader(st["path"]).records()}
+    for sid, r in recs.items():
+        assert np.array_equal(plug[sid].ids, r.ids) and plug[sid].weight_versions == r.weight_versions
 
 
 def test_exact_ties_same_expert_counts_in_forward_and_recompute(rollouts):

