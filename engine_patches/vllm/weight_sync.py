@@ -163,9 +163,10 @@ class WeightSync:
 
     # -- offline LLM ---------------------------------------------------------------------
     def sync(self, source: Any, version: str, mode: str = "abort") -> SyncReport:
-        """Offline ``vllm.LLM``: the whole cycle. ``generate`` is blocking, so there is
-        nothing in flight between calls: ``wait`` and ``keep`` behave like ``abort`` with
-        nothing to abort.
+        """Offline ``vllm.LLM``: the whole cycle. Between ``generate`` calls nothing is in
+        flight; requests added with ``llm.llm_engine.add_request`` and stepped by the caller
+        are aborted (``abort``) or kept and continued on the new weights (``keep``, ``wait``:
+        the in-process engine cannot drain while paused, so it keeps them too).
 
         Raises:
             WeightSyncError: naming the failed step (the engine is resumed).
@@ -188,13 +189,15 @@ class WeightSync:
             rep.eplb_layers_refreshed = sum(llm.collective_rpc("routereplay_refresh_eplb"))
             t = _lap(rep, step, t)
             step = "reset"
+            # NOTE: fails while kept requests hold blocks (keep mode, requests added through
+            # llm.llm_engine and stepped by the caller): the version salt covers that.
             rep.prefix_cache_reset = bool(llm.reset_prefix_cache())
-            if not rep.prefix_cache_reset:
-                raise WeightSyncError("reset_prefix_cache failed with nothing in flight")
+            if not rep.prefix_cache_reset and mode != "keep":
+                raise WeightSyncError("reset_prefix_cache failed with no request in flight")
             t = _lap(rep, step, t)
             step = "version"
-            llm.update_weight_version(str(version))
             self.salt.version = str(version)
+            llm.update_weight_version(str(version))
             t = _lap(rep, step, t)
         except WeightSyncError:
             raise

@@ -35,6 +35,7 @@ class DemoConfig:
     router_perturb: float = 0.0       # std of noise added to the trainer's router weights
     router_select_noise: float = 0.0  # std of noise on router scores for top-k selection only
     trainer_parallel: str | None = None   # megatron layout, e.g. "tp=2,sp", "pp=2,vpp=2"
+    update_midway: bool = False       # weight update (keep mode) halfway through the rollout
     seed: int = 0
     workdir: str | None = None        # keep sidecar and intermediate files here
     rollout_timeout_s: float = 900.0
@@ -110,7 +111,8 @@ def run_demo(cfg: DemoConfig) -> dict[str, Any]:
         sys.executable, "-m", "engine_patches.vllm.rollout", "--model", model,
         "--prompts", paths["prompts"], "--sidecar", paths["sidecar"],
         "--summary", paths["rollout"], "--dtype", cfg.engine_dtype,
-        "--max-tokens", str(cfg.max_tokens), "--seed", str(cfg.seed)],
+        "--max-tokens", str(cfg.max_tokens), "--seed", str(cfg.seed)]
+        + (["--update-from", model] if cfg.update_midway else []),
         engine_env(), cfg.rollout_timeout_s, paths["rollout_log"])
     _run_stage("megatron-core recompute", [
         sys.executable, "-m", "trainer_hooks.megatron.recompute", "--model", model,
@@ -141,6 +143,7 @@ def run_demo(cfg: DemoConfig) -> dict[str, Any]:
         "engine_dtype": cfg.engine_dtype, "trainer_dtype": "float32",
         "router_perturb": cfg.router_perturb, "router_select_noise": cfg.router_select_noise,
         "trainer_parallel": layout.describe(), "num_prompts": cfg.num_prompts,
+        "weight_versions": roll["weight_versions"], "weight_sync": roll["weight_sync"],
         "max_tokens": cfg.max_tokens, "sidecar": paths["sidecar"],
         "timings_s": {"engine_start": roll["engine_start_s"], "generate": roll["generate_s"],
                       "trainer_build": tr["build_s"]},
@@ -179,7 +182,10 @@ def format_report(res: dict[str, Any]) -> str:
         f"bytes per (token, MoE layer) row: sidecar {res['sidecar_bytes_per_token_layer']:.3f} | "
         f"vLLM base64 .npy {res['vllm_b64_bytes_per_token_layer']:.3f} | "
         f"SGLang base64 int32 {res['sglang_b64_bytes_per_token_layer']:.3f}",
-        "router grad norms after one backward with replay: "
+        "weight versions in the rollout: " + ", ".join(res["weight_versions"] or ["(none)"])
+        + (f" (keep-mode update halfway: {res['weight_sync']['seconds']['update']:.2f} s "
+           "reload)" if res.get("weight_sync") else ""),
+        "router grad norms after one training step with replay: "
         + ", ".join(f"{g:.3g}" for g in res["router_grad_norms"]),
         f"sidecar: {res['sidecar']}",
     ]

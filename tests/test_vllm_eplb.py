@@ -1,0 +1,39 @@
+"""EPLB replica refresh (engine_patches.vllm.eplb) on vLLM's own EPLB code: its initial map
+builder, its DefaultEplbPolicy for the current placement, its rearrange_expert_weights_inplace
+and its gloo EPLB communicator; vLLM rejects EPLB on CPU, so the placement is simulated
+(tests/vllm_eplb_check.py). The real engine runs in tests/test_vllm_eplb_gpu.py (-m gpu)."""
+import json
+
+import numpy as np
+import pytest
+
+from routereplay.errors import RecordError
+from tests.conftest import run_py
+
+pytest.importorskip("vllm", reason="needs the engine extra")
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_every_replica_gets_its_logical_experts_new_weights(tmp_path, world):
+    out = tmp_path / "eplb.json"
+    p = run_py(["tests/vllm_eplb_check.py", str(world), str(out)], timeout=300)
+    assert p.returncode == 0, p.stderr[-3000:]
+    ranks = json.loads(out.read_text())
+    assert len(ranks) == world
+    cur = np.array(ranks[0]["current_map"])
+    init = np.array(ranks[0]["initial_map"])
+    assert (cur != init).any(-1).all()                   # the policy really rearranged
+    assert sum(r["slots_wrong_before"] for r in ranks) > 0  # a plain reload is wrong ...
+    assert all(r["all_slots_right_after"] for r in ranks)   # ... the refresh fixes every slot
+    assert all(r["layers_refreshed"] == 2 for r in ranks)
+    # hot experts are replicated: some logical expert has several physical slots
+    assert max(np.bincount(cur[0])) > 1
+
+
+def test_physical_slot_ids_are_refused_as_routing(schema):
+    from routereplay.record import checked_moe_ids
+    full = np.tile(np.arange(4, dtype=np.uint8), (5, 4, 1))       # [T, num_hidden_layers, k]
+    full[2, 2, 1] = 17                                            # a physical replica slot
+    with pytest.raises(RecordError, match="sample 'x', token 2, layer 2: expert id 17 outside "
+                                          r"\[0, 16\) \(a physical EPLB replica slot"):
+        checked_moe_ids(full, schema, "x")

