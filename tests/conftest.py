@@ -43,6 +43,29 @@ def tiny_model() -> str:
     return ensure_tiny_model()
 
 
+def checkpoint_variant(src: str, dst: str, edit) -> str:
+    """Copy the HF checkpoint folder ``src`` to ``dst`` with every tensor replaced by
+    ``edit(name, tensor)`` (return the tensor unchanged to keep it). Returns ``dst``."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+    os.makedirs(dst, exist_ok=True)
+    for f in os.listdir(src):
+        if f != "model.safetensors":
+            shutil.copy(os.path.join(src, f), dst)
+    sd = load_file(os.path.join(src, "model.safetensors"))
+    sd = {k: edit(k, v.clone()).contiguous() for k, v in sd.items()}
+    save_file(sd, os.path.join(dst, "model.safetensors"), metadata={"format": "pt"})
+    return dst
+
+
+def rolled_routers(src: str, dst: str) -> str:
+    """The checkpoint with every MoE router's expert rows rolled by 3: different routing."""
+    import torch
+    return checkpoint_variant(src, dst, lambda k, v: torch.roll(v, 3, 0)
+                              if k.endswith("mlp.gate.weight") else v)
+
+
 def run_py(args: list[str], timeout: float, env: dict | None = None) -> subprocess.CompletedProcess:
     """Run ``python args...`` from the repo root with a timeout (fails the test on hang)."""
     return subprocess.run([sys.executable, *args], cwd=REPO, capture_output=True, text=True,

@@ -6,30 +6,15 @@ The fp32-vs-fp32 and bf16-vs-fp32 cases run in tests/test_demo_e2e.py (the main 
 One engine process (tests/vllm_mixed_versions.py) serves both cases here.
 """
 import os
-import shutil
 
 import numpy as np
 import pytest
 
-from tests.conftest import REPO, run_py
+from tests.conftest import REPO, checkpoint_variant, rolled_routers, run_py
 
 pytestmark = pytest.mark.engine
 pytest.importorskip("vllm", reason="needs the engine extra")
 torch = pytest.importorskip("torch")
-
-
-def _variant(src, dst, fn):
-    """A copy of the checkpoint with every MoE router weight [E, H] replaced by fn(weight)."""
-    from safetensors.torch import load_file, save_file
-    os.makedirs(dst, exist_ok=True)
-    for f in os.listdir(src):
-        if f != "model.safetensors":
-            shutil.copy(os.path.join(src, f), dst)
-    sd = load_file(os.path.join(src, "model.safetensors"))
-    for k in sd:
-        if k.endswith("mlp.gate.weight"):
-            sd[k] = fn(sd[k].clone()).contiguous()
-    save_file(sd, os.path.join(dst, "model.safetensors"), metadata={"format": "pt"})
 
 
 def _ties(w):
@@ -41,8 +26,9 @@ def _ties(w):
 @pytest.fixture(scope="module")
 def rollouts(tiny_model, tmp_path_factory):
     d = tmp_path_factory.mktemp("mixed")
-    _variant(tiny_model, str(d / "v2"), lambda w: torch.roll(w, 3, 0))   # new routing
-    _variant(tiny_model, str(d / "tie"), _ties)
+    rolled_routers(tiny_model, str(d / "v2"))                               # new routing
+    checkpoint_variant(tiny_model, str(d / "tie"),
+                       lambda k, v: _ties(v) if k.endswith("mlp.gate.weight") else v)
     from engine_patches.vllm.triton_cpu import engine_env
     env = engine_env()
     env["ROUTEREPLAY_SIDECAR"] = str(d / "plugin-async.rrsc")     # the plugin, with AsyncLLM

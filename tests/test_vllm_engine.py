@@ -6,36 +6,21 @@ routing equals HF's as expert sets; the CPU MoE kernel's top-k column order can 
 HF's, so rows are compared as sets)."""
 import json
 import os
-import shutil
 
 import numpy as np
 import pytest
 
-from tests.conftest import REPO, run_py
+from tests.conftest import REPO, rolled_routers, run_py
 
 pytestmark = pytest.mark.engine
 pytest.importorskip("vllm", reason="needs the engine extra")
 torch = pytest.importorskip("torch")
 
 
-def make_v2(src, dst):
-    """The checkpoint with every MoE router's rows rolled by 3: different routing."""
-    from safetensors.torch import load_file, save_file
-    os.makedirs(dst, exist_ok=True)
-    for f in os.listdir(src):
-        if f != "model.safetensors":
-            shutil.copy(os.path.join(src, f), dst)
-    sd = load_file(os.path.join(src, "model.safetensors"))
-    for k in sd:
-        if k.endswith("mlp.gate.weight"):
-            sd[k] = torch.roll(sd[k].clone(), 3, 0).contiguous()
-    save_file(sd, os.path.join(dst, "model.safetensors"), metadata={"format": "pt"})
-
-
 @pytest.fixture(scope="module")
 def run(tiny_model, tmp_path_factory):
     d = tmp_path_factory.mktemp("vllm")
-    make_v2(tiny_model, str(d / "v2"))
+    rolled_routers(tiny_model, str(d / "v2"))
     from engine_patches.vllm.triton_cpu import engine_env
     env = engine_env()
     env["ROUTEREPLAY_SIDECAR"] = str(d / "plugin.rrsc")

@@ -7,9 +7,6 @@ weights are updated to a v2 checkpoint through WeightSync; the routing and log-p
 greedy generation must then equal those of a fresh engine started on v2 (same EPLB config),
 and every recorded id must be logical (< num_experts).
 """
-import os
-import shutil
-
 import numpy as np
 import pytest
 
@@ -19,19 +16,15 @@ pytestmark = pytest.mark.gpu
 
 
 def _v2(src, dst):
+    """New weights for every expert (x1.5) and new routing (router rows rolled by 3)."""
     import torch
-    from safetensors.torch import load_file, save_file
-    os.makedirs(dst, exist_ok=True)
-    for f in os.listdir(src):
-        if f != "model.safetensors":
-            shutil.copy(os.path.join(src, f), dst)
-    sd = load_file(os.path.join(src, "model.safetensors"))
-    for k in sd:
+    from tests.conftest import checkpoint_variant
+
+    def edit(k, v):
         if "mlp.experts" in k:
-            sd[k] = (sd[k] * 1.5).contiguous()        # every expert's weights change
-        if k.endswith("mlp.gate.weight"):
-            sd[k] = torch.roll(sd[k].clone(), 3, 0).contiguous()
-    save_file(sd, os.path.join(dst, "model.safetensors"), metadata={"format": "pt"})
+            return v * 1.5
+        return torch.roll(v, 3, 0) if k.endswith("mlp.gate.weight") else v
+    checkpoint_variant(src, dst, edit)
 
 
 def _llm(model):

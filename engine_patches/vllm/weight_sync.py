@@ -211,21 +211,10 @@ class WeightSync:
         return rep
 
     def _update_sync(self, source: Any) -> int:
-        llm = self.engine
-        if isinstance(source, FromCheckpoint):
-            llm.collective_rpc("reload_weights", kwargs={"weights_path": source.path})
-        elif isinstance(source, FromTensors):
-            names = [n for n, _ in source.named_tensors]
-            tensors = [t for _, t in source.named_tensors]
-            llm.collective_rpc("routereplay_load_tensors", args=(names, tensors))
-        elif isinstance(source, FromWeightTransfer):
-            llm.start_weight_update()
-            llm.update_weights(source.update_info)
-            llm.finish_weight_update()
-        else:
-            raise TypeError(f"unknown weight source {type(source).__name__}")
+        for name, args, kwargs in _update_calls(source):
+            getattr(self.engine, name)(*args, **kwargs)
         if needs_cpu_moe_reprepack():
-            return sum(llm.collective_rpc("routereplay_reprepack_cpu_moe"))
+            return sum(self.engine.collective_rpc("routereplay_reprepack_cpu_moe"))
         return 0
 
     # -- AsyncLLM ------------------------------------------------------------------------
@@ -275,23 +264,28 @@ class WeightSync:
         return rep
 
     async def _update_async(self, source: Any) -> int:
-        eng = self.engine
-        if isinstance(source, FromCheckpoint):
-            await eng.collective_rpc("reload_weights", kwargs={"weights_path": source.path})
-        elif isinstance(source, FromTensors):
-            names = [n for n, _ in source.named_tensors]
-            tensors = [t for _, t in source.named_tensors]
-            await eng.collective_rpc("routereplay_load_tensors", args=(names, tensors))
-        elif isinstance(source, FromWeightTransfer):
-            from vllm.distributed.weight_transfer.base import WeightTransferUpdateRequest
-            await eng.start_weight_update()
-            await eng.update_weights(WeightTransferUpdateRequest(update_info=source.update_info))
-            await eng.finish_weight_update()
-        else:
-            raise TypeError(f"unknown weight source {type(source).__name__}")
+        for name, args, kwargs in _update_calls(source):
+            await getattr(self.engine, name)(*args, **kwargs)
         if needs_cpu_moe_reprepack():
-            return sum(await eng.collective_rpc("routereplay_reprepack_cpu_moe"))
+            return sum(await self.engine.collective_rpc("routereplay_reprepack_cpu_moe"))
         return 0
+
+
+def _update_calls(source: Any) -> list[tuple[str, tuple, dict]]:
+    """The engine calls (method, args, kwargs) that load ``source``; the same for ``LLM``
+    and ``AsyncLLM`` (their methods share names; AsyncLLM's are awaited)."""
+    if isinstance(source, FromCheckpoint):
+        return [("collective_rpc", ("reload_weights",), {"kwargs": {"weights_path": source.path}})]
+    if isinstance(source, FromTensors):
+        names = [n for n, _ in source.named_tensors]
+        tensors = [t for _, t in source.named_tensors]
+        return [("collective_rpc", ("routereplay_load_tensors",), {"args": (names, tensors)})]
+    if isinstance(source, FromWeightTransfer):
+        from vllm.distributed.weight_transfer.base import WeightTransferUpdateRequest
+        req = WeightTransferUpdateRequest(update_info=source.update_info)
+        return [("start_weight_update", (), {}), ("update_weights", (req,), {}),
+                ("finish_weight_update", (), {})]
+    raise TypeError(f"unknown weight source {type(source).__name__}")
 
 
 def _lap(rep: SyncReport, step: str, t: float) -> float:
