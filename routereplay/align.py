@@ -69,6 +69,8 @@ class Layout:
                                      f"per sample ({len(self.lengths)} samples)")
         if any(n < 0 for n in self.lengths):
             raise AlignmentError(f"layout: negative sample length in {self.lengths}")
+        if self.seq_len < 0:
+            raise AlignmentError(f"layout: negative seq_len {self.seq_len}")
         if self.cu_seqlens_padded is not None:
             cu = tuple(int(x) for x in self.cu_seqlens_padded)
             object.__setattr__(self, "cu_seqlens_padded", cu)
@@ -144,6 +146,12 @@ class Shard:
     tp_rank: int = 0
     sequence_parallel: bool = False
 
+    def __post_init__(self):
+        if not (self.cp_size >= 1 and 0 <= self.cp_rank < self.cp_size
+                and self.tp_size >= 1 and 0 <= self.tp_rank < self.tp_size):
+            raise AlignmentError(f"shard: need 0 <= cp_rank < cp_size and 0 <= tp_rank < "
+                                 f"tp_size, got {self}")
+
 
 def _cp_zigzag(x: np.ndarray, cp: int, r: int, what: str) -> np.ndarray:
     n = x.shape[0]
@@ -183,6 +191,14 @@ class TokenMap:
 
 def token_map(layout: Layout, shard: Shard = Shard()) -> TokenMap:
     """Router input rows of one rank for a microbatch, in megatron's order.
+
+    Args:
+        layout: the microbatch's token layout (all ranks of a model replica share it).
+        shard: this rank's context-parallel and sequence-parallel place.
+    Returns:
+        TokenMap of N rows: the rank's share of the s * b (bshd) or t (THD) token slots,
+        N = s * b / cp (CP keeps 2 of 2*cp chunks), divided again by tp with sequence
+        parallel.
 
     Raises:
         AlignmentError: the sequence cannot be split as configured (length not a multiple of
@@ -270,6 +286,13 @@ def check_rows(ids: np.ndarray, tmap: TokenMap, schema: RoutingSchema,
             row: an id out of [0, num_experts), a row that is partly missing, duplicate ids
             in a row, a group-limit violation, or routing on a padding row.
     """
+    if ids.ndim != 3 or ids.shape[0] != tmap.num_rows or ids.shape[1] != len(layer_ids) \
+            or ids.shape[2] != schema.top_k:
+        raise AlignmentError(f"replay rows have shape {tuple(ids.shape)}, expected "
+                             f"[{tmap.num_rows}, {len(layer_ids)}, {schema.top_k}]")
+    if len(tmap.sample) and int(tmap.sample.max()) >= len(sample_ids):
+        raise AlignmentError(f"token map names sample #{int(tmap.sample.max())} but only "
+                             f"{len(sample_ids)} sample ids were given")
     if ids.size == 0:
         return
     e = schema.num_experts
@@ -312,8 +335,14 @@ def check_rows(ids: np.ndarray, tmap: TokenMap, schema: RoutingSchema,
 
 
 def coverage(ids: np.ndarray, tmap: TokenMap) -> tuple[int, int]:
-    """(rows with routing, token rows): padding slots are not counted; per layer rows are
-    counted once per layer."""
+    """Routing coverage of one rank's rows.
+
+    Args:
+        ids: int64 [N, L, K] (MISSING rows have no routing); tmap: its token map.
+    Returns:
+        (token-layer rows with routing, token-layer rows): padding slots are not counted,
+        a token counts once per layer.
+    """
     real = tmap.sample >= 0
     have = ~(ids == MISSING).all(-1)             # [N, L]
     return int(have[real].sum()), int(real.sum() * ids.shape[1])

@@ -174,6 +174,27 @@ try:
 except AlignmentError as e:
     res["outside"] = str(e)
 
+# -- misuse: nested microbatch(); a model call after a backward whose first layer's input
+# needed no grad (frozen embeddings: no end tag fires) must still be refused
+try:
+    with rep.step(reader, mb), torch.no_grad(), rep.microbatch(0, model), rep.microbatch(0, model):
+        pass
+    res["nested"] = "accepted"
+except RuntimeError as e:
+    res["nested"] = str(e)
+model.embedding.word_embeddings.weight.requires_grad_(False)
+try:
+    with rep.step(reader, mb):
+        with rep.microbatch(0, model):
+            out = model(t["tokens"], t["position_ids"], attention_mask=t["attention_mask"])
+        out.float().mean().backward()
+        res["held_after_backward"] = len(rep._held)
+        model(t["tokens"], t["position_ids"], attention_mask=t["attention_mask"])
+    res["after_backward_outside"] = "accepted"
+except AlignmentError as e:
+    res["after_backward_outside"] = str(e)
+res["held_after_step"] = len(rep._held)
+
 # -- MTP -------------------------------------------------------------------------------------
 from megatron.core.models.gpt import GPTModel  # noqa: E402
 from megatron.core.models.gpt.gpt_layer_specs import (get_gpt_decoder_block_spec,  # noqa: E402

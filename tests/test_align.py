@@ -160,3 +160,15 @@ def test_layout_errors():
         align.Layout(lengths=(5, 2), cu_seqlens_padded=(0, 4, 8))
     with pytest.raises(AlignmentError, match="multiple of 2\\*cp"):
         align.token_map(align.Layout(lengths=(5,), seq_len=6), align.Shard(cp_size=2))
+
+
+def test_shard_and_row_shape_errors(schema):
+    with pytest.raises(AlignmentError, match="cp_rank < cp_size"):
+        align.Shard(cp_size=2, cp_rank=5)
+    with pytest.raises(AlignmentError, match="tp_rank < tp_size"):
+        align.Shard(tp_size=2, tp_rank=3, sequence_parallel=True)
+    tm = align.TokenMap(sample=np.array([0, 1]), position=np.array([0, 0]))
+    with pytest.raises(AlignmentError, match=r"shape \(2, 1, 3\), expected \[2, 1, 4\]"):
+        align.check_rows(np.zeros((2, 1, 3), np.int64), tm, schema, [1], ["a", "b"])
+    with pytest.raises(AlignmentError, match="names sample #1 but only 1 sample ids"):
+        align.check_rows(np.full((2, 1, 4), -1, np.int64), tm, schema, [1], ["a"])

@@ -82,6 +82,9 @@ def test_replayer_fallback_capacity_refusals_mtp(tiny_model, tmp_path):
     assert res["bad_ids"] == ("sample 'hf1', token position 10, decoder layer 3 (router row 21): "
                               f"duplicate expert ids in {res['bad_ids'].split(' in ')[-1]}")
     assert "outside RouterReplayer.microbatch()" in res["outside"]
+    assert "inside microbatch(0)" in res["nested"]
+    assert "outside RouterReplayer.microbatch()" in res["after_backward_outside"]
+    assert res["held_after_step"] == 0
     mtp = res["mtp"]
     assert mtp["num_mtp_routers"] == 1 and mtp["backbone_layers"] == [1, 2, 3]
     assert mtp["own_equal"] and mtp["rows"] == 2 * 30

@@ -75,12 +75,13 @@ def test_keep_mode_update_replayed_against_the_right_versions(tiny_model, rollou
     assert res["v1", True][0][new].mean() > 1.0 and res["v2", True][0][old].mean() > 1.0
 
 
-def test_weight_sync_keep_and_abort_on_async_engine(tiny_model, rollouts):
-    """WeightSync.sync_async on AsyncLLM: keep mode cannot reset the prefix cache (the kept
+def test_weight_sync_keep_abort_wait_on_async_engine(tiny_model, rollouts):
+    """WeightSync.sync_async on AsyncLLM. Keep mode cannot reset the prefix cache (the kept
     request holds blocks), yet a prompt cached under v1 is not reused under v2 (version
-    salt); abort mode aborts the request in flight: vLLM returns the complete routing of
+    salt). Abort mode aborts the request in flight: vLLM returns the complete routing of
     the tokens it did generate (P + G - 1 rows, all under the version that generated them),
-    so it is a valid record; the plugin streamed the same records."""
+    so it is a valid record. Wait mode lets the request in flight finish on the old weights
+    first. The plugin streamed the same records."""
     import json
 
     from routereplay.sidecar import SidecarReader
@@ -92,18 +93,23 @@ def test_weight_sync_keep_and_abort_on_async_engine(tiny_model, rollouts):
     assert res["cached"] == {"warm": 0, "after": 0, "post-abort": 0}
     assert res["aborted_finish_reason"] == "abort" and 8 <= res["aborted_tokens"] < 400
     assert res["abort_error"] is None
+    # wait mode: the request in flight ran to its end on the old weights, then the update
+    assert res["wait"]["mode"] == "wait" and res["wait"]["prefix_cache_reset"] is True
+    assert res["waited_finish_reason"] == "length"
     recs = {r.sample_id: r for r in SidecarReader(str(rollouts / "keep.rrsc")).records()}
     ab = recs["abortme"]
     assert ab.num_tokens == len(ab.token_ids) - 1 == ab.prompt_len + res["aborted_tokens"] - 1
     for sid, model, version in (("warm", tiny_model, "v1"), ("after", str(rollouts / "v2"), "v2"),
                                 ("post-abort", tiny_model, "v3"),
-                                ("abortme", str(rollouts / "v2"), "v2")):
+                                ("abortme", str(rollouts / "v2"), "v2"),
+                                ("waitme", tiny_model, "v3"),
+                                ("after-wait", str(rollouts / "v2"), "v4")):
         r = recs[sid]
         _, (h,) = hf_records(model, [r.token_ids.tolist()], prompt_len=1)
         assert np.array_equal(np.sort(r.ids, -1), np.sort(h.ids, -1)), sid
         assert {s.version for s in r.weight_versions} == {version}, sid
     st = res["plugin"]
-    assert st["written"] == 5 and st["aborted"] == 0 and st["missing"] == 0
+    assert st["written"] == 7 and st["aborted"] == 0 and st["missing"] == 0
     plug = {r.sample_id: r for r in SidecarReader(st["path"]).records()}
     for sid, r in recs.items():
         assert np.array_equal(plug[sid].ids, r.ids) and plug[sid].weight_versions == r.weight_versions

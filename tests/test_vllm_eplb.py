@@ -37,3 +37,15 @@ def test_physical_slot_ids_are_refused_as_routing(schema):
     with pytest.raises(RecordError, match="sample 'x', token 2, layer 2: expert id 17 outside "
                                           r"\[0, 16\) \(a physical EPLB replica slot"):
         checked_moe_ids(full, schema, "x")
+
+
+def test_plugin_refuses_a_bad_destination_and_parses_references(tmp_path):
+    from engine_patches.vllm import plugin
+    from routereplay.errors import RouteReplayError
+    with pytest.raises(RouteReplayError, match="does not exist"):
+        plugin.install(str(tmp_path / "missing" / "x.rrsc"))
+    assert plugin.stats() == {}                        # nothing half-installed
+    ref = plugin.SidecarRef.make("/data/r.rrsc", "req#7/1")
+    assert plugin.SidecarRef.parse(ref) == ("/data/r.rrsc", "req#7/1")
+    with pytest.raises(ValueError, match="not a routereplay"):
+        plugin.SidecarRef.parse("AAAA")

@@ -81,11 +81,24 @@ async def keep_update(model, v2, out, switch_at=16):
     except RecordError as e:
         abort_error = str(e)
     post = await run(long_prompt, greedy, "post-abort")
+    # 5. wait mode: the update waits until the request in flight has finished
+    sp_wait = SamplingParams(max_tokens=24, temperature=1.0, seed=6, ignore_eos=True, logprobs=0)
+    waited, rep_wait = None, None
+    async for o in eng.generate("wait for me", sp_wait, request_id="waitme"):
+        waited = o
+        if rep_wait is None and len(o.outputs[0].token_ids) >= 4:
+            sync_task = asyncio.create_task(
+                sync.sync_async(FromCheckpoint(v2), "v4", mode="wait"))
+            rep_wait = True
+    rep_wait = await sync_task
+    after_wait = await run(long_prompt, greedy, "after-wait")
     write_records(os.path.join(out, "keep.rrsc"), schema, [
-        record_from_output(x, schema, engine="vllm") for x in (final, warm, after, post)] + extra)
+        record_from_output(x, schema, engine="vllm")
+        for x in (final, warm, after, post, waited, after_wait)] + extra)
     plugin.flush()
     with open(os.path.join(out, "sync.json"), "w") as f:
-        json.dump({"keep": rep.__dict__, "abort": rep_abort.__dict__,
+        json.dump({"keep": rep.__dict__, "abort": rep_abort.__dict__, "wait": rep_wait.__dict__,
+                   "waited_finish_reason": waited.outputs[0].finish_reason,
                    "cached": {"warm": warm.num_cached_tokens, "after": after.num_cached_tokens,
                               "post-abort": post.num_cached_tokens},
                    "aborted_finish_reason": aborted.outputs[0].finish_reason,

@@ -22,6 +22,7 @@ policy and transfer code with a simulated placement (gloo), and
 """
 from __future__ import annotations
 
+import re
 from typing import Any, Sequence
 
 import torch
@@ -64,13 +65,26 @@ def refresh_replicas(physical_to_logical_map: torch.Tensor,
     return differs
 
 
-def refresh_worker(worker: Any) -> int:
+def refresh_worker(worker: Any, layer_ids: list[int] | None = None) -> int:
     """collective_rpc target (worker extension): refresh every EPLB model state of this
-    worker; 0 when EPLB is off."""
+    worker after an update that wrote the experts of decoder layers ``layer_ids`` (None =
+    all; [] = none: nothing moves); 0 when EPLB is off.
+
+    Raises:
+        RuntimeError: EPLB is on and the update wrote only some MoE layers' experts (the
+            refresh moves whole placements; send every MoE layer's experts or none).
+    """
     runner = getattr(worker, "model_runner", None)
     state = getattr(runner, "eplb_state", None)
-    if state is None:
+    if state is None or layer_ids == []:
         return 0
+    model = runner.get_model()
+    moe = {int(m.group(1)) for name, _ in model.named_modules()
+           if (m := re.search(r"layers\.(\d+)\.mlp\.experts$", name))}
+    if layer_ids is not None and not moe <= set(layer_ids):
+        raise RuntimeError("EPLB replica refresh after a partial expert update "
+                           f"(layers {layer_ids}) is not supported: send every MoE layer's "
+                           "expert weights, or none")
     from vllm.distributed.parallel_state import get_ep_group
     ep_group = get_ep_group().device_group
     n = 0

@@ -27,7 +27,11 @@ gives the model's config for the routing schema. Nothing is edited on disk; ever
 undone by :func:`uninstall`; an unsupported vLLM fails at import (engine_patches.vllm).
 
 A request whose routing is missing or malformed is never written as zeros: it is logged
-as an error naming the request and counted (:func:`stats`); aborted requests are skipped.
+as an error naming the request and counted (:func:`stats`); no failure of ours reaches
+vLLM's output loop. An aborted request keeps the routing of the tokens it did generate and
+is written like any other (one without routing is counted as aborted). A sample id seen
+before in the stream (e.g. a second offline ``LLM`` in the process numbers its requests
+from "0" again) gets a ``~N`` suffix.
 """
 from __future__ import annotations
 
@@ -61,14 +65,15 @@ class SidecarRef(str):
 
     @staticmethod
     def parse(ref: str) -> tuple[str, str]:
-        """(stream, sample id) of a reference string.
+        """(stream, sample id) of a reference string (split at the first ``#``: sample ids
+        may contain ``#``, stream paths may not).
 
         Raises:
             ValueError: not a routereplay reference.
         """
         if not ref.startswith(SidecarRef.PREFIX) or "#" not in ref:
             raise ValueError(f"not a routereplay sidecar reference: {ref[:80]!r}")
-        stream, _, sid = ref[len(SidecarRef.PREFIX):].rpartition("#")
+        stream, _, sid = ref[len(SidecarRef.PREFIX):].partition("#")
         return stream, sid
 
 
@@ -84,13 +89,26 @@ class _Streamer:
         self.path: str | None = None
         self.lock = threading.Lock()
         self.counts = {"written": 0, "missing": 0, "aborted": 0, "errors": 0}
+        self.seen: dict[str, int] = {}
         self.seconds = 0.0          # wall time spent in on_finished (record + enqueue)
 
     def resolve(self) -> str:
+        """The stream's path for this process.
+
+        Raises:
+            RouteReplayError: a local destination whose folder does not exist.
+        """
         d = self.dest_spec
+        if "://" in d:
+            return d
         if d.endswith("/") or os.path.isdir(d):
             os.makedirs(d, exist_ok=True)
             return os.path.join(d, f"vllm-{os.getpid()}.rrsc")
+        parent = os.path.dirname(os.path.abspath(d))
+        if not os.path.isdir(parent):
+            raise RouteReplayError(f"{ENV_SIDECAR}={d!r}: folder {parent} does not exist")
+        if "#" in d:
+            raise RouteReplayError(f"{ENV_SIDECAR}={d!r}: a stream path may not contain '#'")
         return d
 
     def writer_for(self, schema: RoutingSchema):
@@ -107,6 +125,11 @@ class _Streamer:
         t0 = time.perf_counter()
         try:
             self._on_finished(state, output)
+        except Exception as e:  # noqa: BLE001 - never break vLLM's output loop
+            with self.lock:
+                self.counts["errors"] += 1
+            log.error("routereplay: request %s: %s: %s (not written)",
+                      getattr(state, "external_req_id", "?"), type(e).__name__, e)
         finally:
             self.seconds += time.perf_counter() - t0
 
@@ -114,6 +137,13 @@ class _Streamer:
         sid = str(state.external_req_id)
         if state.parent_req is not None:             # n > 1: one record per completion
             sid = f"{sid}/{state.request_index}"
+        with self.lock:
+            n = self.seen.get(sid, 0)
+            self.seen[sid] = n + 1
+        if n:
+            log.warning("routereplay: sample id %s seen before in this stream: written as %s~%d",
+                        sid, sid, n + 1)
+            sid = f"{sid}~{n + 1}"
         if output.routed_experts is None:
             key = "aborted" if str(output.finish_reason) == "abort" else "missing"
             with self.lock:
@@ -193,6 +223,7 @@ def install(dest: str, *, reference: bool = False, codec: str = "ctx-ans",
 
     st = _Streamer(dest, reference, codec)
     st.schema = schema
+    st.resolve()                      # NOTE: a bad destination fails at start-up, not later
     _STREAMER = st
     orig_ip_init = ip.InputProcessor.__init__
     orig_from_new = op.RequestState.__dict__["from_new_request"].__func__
@@ -232,7 +263,8 @@ def _patch_serving() -> None:
     """Served responses: a SidecarRef goes out as the string itself (vLLM would np.save it)."""
     import importlib
     for mod_name in ("vllm.entrypoints.openai.completion.serving",
-                     "vllm.entrypoints.openai.chat_completion.serving"):
+                     "vllm.entrypoints.openai.chat_completion.serving",
+                     "vllm.entrypoints.scale_out.token_in_token_out.serving"):
         try:
             mod = importlib.import_module(mod_name)
         except ImportError:

@@ -31,6 +31,7 @@ every update on that build. Engines must be started with
 from __future__ import annotations
 
 import dataclasses
+import re
 import time
 from typing import Any, Sequence
 
@@ -42,7 +43,9 @@ SALT_PREFIX = "routereplay-weight-version="
 
 
 class WeightSyncError(RouteReplayError):
-    """A weight-sync step failed; the message names the step. The engine was resumed."""
+    """A weight-sync step failed; the message names the step and says whether the engine
+    was resumed (failure before any weight was touched) or left paused (weights may be
+    partly updated: a resumed engine would serve them under the old version label)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -175,18 +178,21 @@ class WeightSync:
             raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
         llm = self.engine
         rep = SyncReport(version=str(version), mode=mode)
-        step = "pause"
-        t = time.perf_counter()
-        slept = False
+        step, t, slept, touched = "pause", time.perf_counter(), False, False
+        old_salt = self.salt.version
         try:
             llm.sleep(level=0, mode="abort" if mode == "abort" else "keep")
             slept = True
+            # NOTE: from here on, requests admitted while the update runs are labelled with
+            # the new version's salt, so they cannot hit blocks of the old weights.
+            self.salt.version = str(version)
             t = _lap(rep, step, t)
-            step = "update"
+            step, touched = "update", True
             rep.moe_reprepacked = self._update_sync(source)
             t = _lap(rep, step, t)
             step = "eplb"
-            rep.eplb_layers_refreshed = sum(llm.collective_rpc("routereplay_refresh_eplb"))
+            rep.eplb_layers_refreshed = sum(llm.collective_rpc(
+                "routereplay_refresh_eplb", args=(_expert_layers(source),)))
             t = _lap(rep, step, t)
             step = "reset"
             # NOTE: fails while kept requests hold blocks (keep mode, requests added through
@@ -196,14 +202,14 @@ class WeightSync:
                 raise WeightSyncError("reset_prefix_cache failed with no request in flight")
             t = _lap(rep, step, t)
             step = "version"
-            self.salt.version = str(version)
             llm.update_weight_version(str(version))
             t = _lap(rep, step, t)
-        except WeightSyncError:
-            raise
         except Exception as e:  # noqa: BLE001 - any engine failure names the step
-            raise WeightSyncError(f"weight sync to {version!r} failed at step {step!r}: "
-                                  f"{type(e).__name__}: {e}") from e
+            self.salt.version = old_salt
+            if slept and touched:
+                slept = False          # weights may be half updated: stay paused
+                raise _failed(version, step, e, paused=True) from e
+            raise _failed(version, step, e, paused=False) from e
         finally:
             if slept:
                 llm.wake_up(tags=["scheduling"])
@@ -213,8 +219,10 @@ class WeightSync:
     def _update_sync(self, source: Any) -> int:
         for name, args, kwargs in _update_calls(source):
             getattr(self.engine, name)(*args, **kwargs)
-        if needs_cpu_moe_reprepack():
-            return sum(self.engine.collective_rpc("routereplay_reprepack_cpu_moe"))
+        layers = _expert_layers(source)
+        if needs_cpu_moe_reprepack() and layers != []:
+            return sum(self.engine.collective_rpc("routereplay_reprepack_cpu_moe",
+                                                  args=(layers,)))
         return 0
 
     # -- AsyncLLM ------------------------------------------------------------------------
@@ -228,35 +236,36 @@ class WeightSync:
             raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
         eng = self.engine
         rep = SyncReport(version=str(version), mode=mode)
-        step = "pause"
-        t = time.perf_counter()
-        paused = False
+        step, t, paused, touched = "pause", time.perf_counter(), False, False
+        old_salt = self.salt.version
         try:
             await eng.pause_generation(mode=mode, clear_cache=False)
             paused = True
+            self.salt.version = str(version)          # see sync()
             t = _lap(rep, step, t)
-            step = "update"
+            step, touched = "update", True
             rep.moe_reprepacked = await self._update_async(source)
             t = _lap(rep, step, t)
             step = "eplb"
-            rep.eplb_layers_refreshed = sum(await eng.collective_rpc("routereplay_refresh_eplb"))
+            rep.eplb_layers_refreshed = sum(await eng.collective_rpc(
+                "routereplay_refresh_eplb", args=(_expert_layers(source),)))
             t = _lap(rep, step, t)
             step = "reset"
             # NOTE: fails while kept requests hold blocks (keep mode): the version salt
-            # below keeps every later request off those blocks.
+            # keeps every later request off those blocks.
             rep.prefix_cache_reset = bool(await eng.reset_prefix_cache())
             if not rep.prefix_cache_reset and mode != "keep":
                 raise WeightSyncError("reset_prefix_cache failed with no request in flight")
             t = _lap(rep, step, t)
             step = "version"
-            self.salt.version = str(version)
             await eng.update_weight_version(str(version))
             t = _lap(rep, step, t)
-        except WeightSyncError:
-            raise
         except Exception as e:  # noqa: BLE001
-            raise WeightSyncError(f"weight sync to {version!r} failed at step {step!r}: "
-                                  f"{type(e).__name__}: {e}") from e
+            self.salt.version = old_salt
+            if paused and touched:
+                paused = False         # weights may be half updated: stay paused
+                raise _failed(version, step, e, paused=True) from e
+            raise _failed(version, step, e, paused=False) from e
         finally:
             if paused:
                 await eng.resume_generation()
@@ -266,9 +275,33 @@ class WeightSync:
     async def _update_async(self, source: Any) -> int:
         for name, args, kwargs in _update_calls(source):
             await getattr(self.engine, name)(*args, **kwargs)
-        if needs_cpu_moe_reprepack():
-            return sum(await self.engine.collective_rpc("routereplay_reprepack_cpu_moe"))
+        layers = _expert_layers(source)
+        if needs_cpu_moe_reprepack() and layers != []:
+            return sum(await self.engine.collective_rpc("routereplay_reprepack_cpu_moe",
+                                                        args=(layers,)))
         return 0
+
+
+_EXPERT_KEY = re.compile(r"layers\.(\d+)\.mlp\.experts\.")
+
+
+def _expert_layers(source: Any) -> list[int] | None:
+    """Decoder layers whose routed-expert weights the update writes: None = all of them
+    (checkpoint folder, weight transfer), [] = none (e.g. a router- or attention-only
+    FromTensors update: no expert re-pack, no EPLB move)."""
+    if not isinstance(source, FromTensors):
+        return None
+    return sorted({int(m.group(1)) for n, _ in source.named_tensors
+                   if (m := _EXPERT_KEY.search(n))})
+
+
+def _failed(version: str, step: str, e: Exception, *, paused: bool) -> WeightSyncError:
+    where = (" The engine is LEFT PAUSED: its weights may be partly updated; sync again, or "
+             "resume it knowingly." if paused else " The engine was resumed.")
+    if isinstance(e, WeightSyncError):
+        return WeightSyncError(f"{e}.{where}")
+    return WeightSyncError(f"weight sync to {version!r} failed at step {step!r}: "
+                           f"{type(e).__name__}: {e}.{where}")
 
 
 def _update_calls(source: Any) -> list[tuple[str, tuple, dict]]:

@@ -27,12 +27,19 @@ def needs_cpu_moe_reprepack(version: str | None = None) -> bool:
     return v.startswith("0.32.") and (cpu_dist or "cpu" in v)
 
 
-def reprepack_cpu_moe(worker: Any) -> int:
-    """collective_rpc target: re-apply the CPU expert prepack to every MoE layer's
-    ``w13_weight``/``w2_weight``; returns the number of layers re-packed."""
+def reprepack_cpu_moe(worker: Any, layer_ids: list[int] | None = None) -> int:
+    """collective_rpc target: re-apply the CPU expert prepack to the ``w13_weight``/``w2_weight``
+    of the MoE layers an update reloaded (decoder layer ids; None = every MoE layer). A
+    layer that was not reloaded is already packed and must not be packed twice.
+    Returns the number of layers re-packed."""
+    import re
     from vllm._custom_ops import cpu_prepack_moe_weight
     n = 0
-    for mod in worker.model_runner.get_model().modules():
+    for name, mod in worker.model_runner.get_model().named_modules():
+        if layer_ids is not None:
+            m = re.search(r"layers\.(\d+)\.", name + ".")
+            if m is None or int(m.group(1)) not in layer_ids:
+                continue
         qm = getattr(mod, "quant_method", None)
         fe = getattr(getattr(getattr(qm, "moe_kernel", None), "impl", None), "fused_experts", None)
         isa = getattr(fe, "isa", None)
@@ -50,17 +57,17 @@ class RouteReplayWorkerExtension:
     reachable by name through ``collective_rpc``, so no function has to be pickled to an
     engine core in another process."""
 
-    def routereplay_reprepack_cpu_moe(self) -> int:
-        return reprepack_cpu_moe(self)
+    def routereplay_reprepack_cpu_moe(self, layer_ids: list | None = None) -> int:
+        return reprepack_cpu_moe(self, layer_ids)
 
     def routereplay_load_tensors(self, names: list, tensors: list) -> None:
         """Load named tensors (checkpoint names) through vLLM's own reload path."""
         self.reload_weights(weights_iterator=list(zip(names, tensors)))
 
-    def routereplay_refresh_eplb(self) -> int:
+    def routereplay_refresh_eplb(self, layer_ids: list | None = None) -> int:
         """EPLB replica refresh after an update (engine_patches.vllm.eplb)."""
         from engine_patches.vllm.eplb import refresh_worker
-        return refresh_worker(self)
+        return refresh_worker(self, layer_ids)
 
 
 WORKER_EXTENSION = f"{__name__}.RouteReplayWorkerExtension"

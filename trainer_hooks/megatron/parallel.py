@@ -123,7 +123,7 @@ def _entry(rank: int, world: int, port: int, spec: ParallelSpec, fn: Callable, a
     init(spec, rank, world)
     try:
         fn(rank, *args)
-    except RouteReplayError as e:
+    except (RouteReplayError, OSError, ValueError) as e:
         # NOTE: a clear one-line error (the parent sees only a non-zero exit code).
         print(f"error: rank {rank}: {e}", file=sys.stderr, flush=True)
         os._exit(2)

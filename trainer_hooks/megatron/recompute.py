@@ -514,12 +514,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--check-record", action="store_true",
                    help="add the RECORD -> replay exactness and perturbed-router checks")
     a = p.parse_args(argv)
+    if a.micro_batch_size < 1:
+        p.error("--micro-batch-size must be >= 1")
     try:
         run(a.model, a.sidecar, a.out, parallel=a.parallel, micro_batch_size=a.micro_batch_size,
             padding=a.padding, recompute=not a.no_recompute, router_perturb=a.router_perturb,
             router_select_noise=a.router_select_noise, seed=a.seed, raw=a.raw, limit=a.limit,
             check_record=a.check_record)
-    except RouteReplayError as e:
+    except (RouteReplayError, OSError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     return 0

@@ -24,8 +24,9 @@ How it works (and why it is right under 1F1B, interleaved VPP and activation rec
   its backward runs first in that microbatch's backward and tells the routers which
   microbatch the activation-recompute forward belongs to. A pre-hook on the chunk's first
   decoder layer adds a second tag whose backward runs last: the data is released there
-  (forward-only passes release at the end of the forward). So a rank holds routing only for
-  the microbatches in flight.
+  (forward-only passes under ``torch.no_grad()`` release at the end of the forward; with
+  grad enabled but no backward, data stays held until the step ends). So a rank holds
+  routing only for the microbatches in flight.
 - The recompute forward reuses the exact expert ids the first forward used (replayed rows
   and per-token fallback rows alike), so backward follows the forward's path.
 - megatron-core's ``RouterReplay.get_replay_topk`` is swapped for the duration of
@@ -92,7 +93,9 @@ class Microbatch:
     layout: align.Layout
 
     def __post_init__(self):
-        object.__setattr__(self, "sample_ids", tuple(self.sample_ids))
+        if isinstance(self.sample_ids, (str, bytes)):
+            raise AlignmentError("Microbatch.sample_ids must be a sequence of ids, not a string")
+        object.__setattr__(self, "sample_ids", tuple(str(x) for x in self.sample_ids))
         if len(self.sample_ids) != self.layout.batch_size:
             raise AlignmentError(f"microbatch names {len(self.sample_ids)} samples but its "
                                  f"layout has {self.layout.batch_size}")
@@ -105,8 +108,8 @@ class ReplayStats:
     Attributes:
         bytes_decoded: id bytes this rank decoded from the source (at the record's dtype,
             uint8/uint16): only its samples, token ranges and layers.
-        bytes_held: id bytes currently held for replay (int16 [N, L_local, K] per microbatch
-            in flight, padding rows included).
+        bytes_held: id bytes currently held for replay ([N, L_local, K] per microbatch in
+            flight, padding rows included; int16, int32 above 32767 experts).
         peak_bytes_held: maximum of bytes_held during the step.
         replayed_rows / fallback_rows: (token, layer) rows that used recorded routing / the
             fallback (padding rows excluded), counted on first forward only.
@@ -153,6 +156,8 @@ def check_config(config: Any, schema: RoutingSchema) -> None:
     if getattr(config, "moe_router_load_balancing_type", None) == "sinkhorn":
         raise SchemaError("moe_router_load_balancing_type='sinkhorn' routes without the top-k "
                           "replay hook, replay would be silently bypassed")
+    if not getattr(config, "num_moe_experts", None):
+        raise SchemaError("the model config has no MoE (num_moe_experts is not set)")
     if config.num_moe_experts != schema.num_experts or config.moe_router_topk != schema.top_k:
         raise SchemaError(f"model routes top-{config.moe_router_topk} of "
                           f"{config.num_moe_experts} experts, records top-{schema.top_k} of "
@@ -253,6 +258,12 @@ class RouterReplayer:
         """
         if self._active:
             raise RuntimeError("RouterReplayer.step is not re-entrant")
+        for layers in self.layers:
+            for router, _ in layers:
+                other = getattr(router.router_replay, "_rr_slot", None)
+                if other is not None:
+                    raise RuntimeError("another RouterReplayer is replaying into this model: "
+                                       "one step at a time per model")
         from megatron.core.transformer.moe.router_replay import RouterReplay
         self._source = source
         self._mbs = dict(enumerate(microbatches)) if not isinstance(microbatches, Mapping) \
@@ -302,6 +313,7 @@ class RouterReplayer:
             RouterReplay.clear_global_router_replay_action()
             RouterReplay.clear_global_indices()
             self._held.clear()
+            self._tmaps.clear()
             self.stats.bytes_held = 0
             self._source = None
             self._active = False
@@ -317,8 +329,17 @@ class RouterReplayer:
         if not self._active:
             raise RuntimeError("RouterReplayer.microbatch outside RouterReplayer.step")
         ci = self._chunk_index(chunk)
-        if (key, ci) not in self._held:
-            self._load(key, ci)
+        if self._fwd[ci] is not None:
+            raise RuntimeError(f"RouterReplayer.microbatch({key!r}) inside microbatch("
+                               f"{self._fwd[ci]!r}) of the same model chunk")
+        if key not in self._mbs:
+            raise KeyError(f"microbatch key {key!r} is not in this step's microbatches "
+                           f"({len(self._mbs)} keys)")
+        if (key, ci) in self._held:
+            raise RuntimeError(f"microbatch {key!r} is forwarded a second time while its first "
+                               "forward's backward is still pending: one forward per "
+                               "microbatch key and model chunk in a step")
+        self._load(key, ci)
         self._fwd[ci] = key
         try:
             yield
@@ -413,7 +434,9 @@ class RouterReplayer:
         key = self._fwd[ci]
         recompute = key is None
         if recompute:
-            key = self._bwd[ci]
+            # NOTE: outside microbatch(), only an activation-recompute forward (which runs
+            # inside autograd's backward) may replay; anything else is a caller error.
+            key = self._bwd[ci] if torch._C._current_graph_task_id() != -1 else None
         if key is None or (key, ci) not in self._held:
             raise AlignmentError(
                 f"an MoE router of model chunk {ci} ran outside RouterReplayer.microbatch(): "
@@ -433,8 +456,8 @@ class RouterReplayer:
     def _select_rows(self, ci, li, scores, topk, num_groups, group_topk, default_compute_topk):
         key, held, recompute = self._current(ci)
         if li in held.used:
-            # NOTE: the activation-recompute forward (or any repeat forward of the
-            # microbatch) takes exactly the experts of the first forward, fallback rows too.
+            # NOTE: the activation-recompute forward takes exactly the experts of the first
+            # forward, fallback rows too.
             idx = held.used[li]
             if idx.shape[0] != scores.shape[0]:
                 raise AlignmentError(self._shape_msg(key, ci, li, idx.shape[0], scores.shape[0]))
@@ -481,6 +504,11 @@ class RouterReplayer:
             self._held[(key, ci)].backward = True
 
             def begin():
+                prev = self._bwd[ci]
+                if prev is not None and prev != key:
+                    # its backward is over (backwards run one at a time) but no end tag
+                    # fired (first layer's input needed no grad): release it now
+                    self._release(prev, ci)
                 self._bwd[ci] = key
             return _Tag.apply(out, begin)
         return hook
