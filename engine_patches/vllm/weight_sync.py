@@ -164,7 +164,34 @@ class WeightSync:
         """Remove the version-salt patch."""
         self.salt.uninstall()
 
-    # -- offline LLM ---------------------------------------------------------------------
+    def _cycle(self, source: Any, version: str, mode: str, rep: SyncReport, asynchronous: bool):
+        """The cycle, once for both engines: a generator that yields the engine calls
+        ``(step, method, args, kwargs)`` and receives their results; :meth:`sync` calls them,
+        :meth:`sync_async` awaits them (``LLM`` and ``AsyncLLM`` share the method names,
+        except pause: ``sleep`` vs ``pause_generation``)."""
+        if asynchronous:
+            yield "pause", "pause_generation", (), {"mode": mode, "clear_cache": False}
+        else:
+            # NOTE: the in-process engine cannot drain while paused: wait keeps requests too.
+            yield "pause", "sleep", (), {"level": 0, "mode": "abort" if mode == "abort" else "keep"}
+        # NOTE: from here on, requests admitted while the update runs are labelled with the
+        # new version's salt, so they cannot hit blocks of the old weights.
+        self.salt.version = str(version)
+        for name, args, kwargs in _update_calls(source):
+            yield "update", name, args, kwargs
+        layers = _expert_layers(source)
+        if needs_cpu_moe_reprepack() and layers != []:
+            rep.moe_reprepacked = sum((yield "update", "collective_rpc",
+                                       ("routereplay_reprepack_cpu_moe",), {"args": (layers,)}))
+        rep.eplb_layers_refreshed = sum((yield "eplb", "collective_rpc",
+                                         ("routereplay_refresh_eplb",), {"args": (layers,)}))
+        # NOTE: fails while kept requests hold blocks (keep mode): the version salt keeps
+        # every later request off those blocks.
+        rep.prefix_cache_reset = bool((yield "reset", "reset_prefix_cache", (), {}))
+        if not rep.prefix_cache_reset and mode != "keep":
+            raise WeightSyncError("reset_prefix_cache failed with no request in flight")
+        yield "version", "update_weight_version", (str(version),), {}
+
     def sync(self, source: Any, version: str, mode: str = "abort") -> SyncReport:
         """Offline ``vllm.LLM``: the whole cycle. Between ``generate`` calls nothing is in
         flight; requests added with ``llm.llm_engine.add_request`` and stepped by the caller
@@ -172,114 +199,89 @@ class WeightSync:
         the in-process engine cannot drain while paused, so it keeps them too).
 
         Raises:
-            WeightSyncError: naming the failed step (the engine is resumed).
+            WeightSyncError: naming the failed step; the engine is resumed, or left paused
+                when weights may be partly updated.
         """
-        if mode not in MODES:
-            raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
-        llm = self.engine
-        rep = SyncReport(version=str(version), mode=mode)
-        step, t, slept, touched = "pause", time.perf_counter(), False, False
-        old_salt = self.salt.version
+        run = _Run(self, source, version, mode, asynchronous=False)
         try:
-            llm.sleep(level=0, mode="abort" if mode == "abort" else "keep")
-            slept = True
-            # NOTE: from here on, requests admitted while the update runs are labelled with
-            # the new version's salt, so they cannot hit blocks of the old weights.
-            self.salt.version = str(version)
-            t = _lap(rep, step, t)
-            step, touched = "update", True
-            rep.moe_reprepacked = self._update_sync(source)
-            t = _lap(rep, step, t)
-            step = "eplb"
-            rep.eplb_layers_refreshed = sum(llm.collective_rpc(
-                "routereplay_refresh_eplb", args=(_expert_layers(source),)))
-            t = _lap(rep, step, t)
-            step = "reset"
-            # NOTE: fails while kept requests hold blocks (keep mode, requests added through
-            # llm.llm_engine and stepped by the caller): the version salt covers that.
-            rep.prefix_cache_reset = bool(llm.reset_prefix_cache())
-            if not rep.prefix_cache_reset and mode != "keep":
-                raise WeightSyncError("reset_prefix_cache failed with no request in flight")
-            t = _lap(rep, step, t)
-            step = "version"
-            llm.update_weight_version(str(version))
-            t = _lap(rep, step, t)
+            result = None
+            while (call := run.next(result)) is not None:
+                name, args, kwargs = call
+                result = getattr(self.engine, name)(*args, **kwargs)
         except Exception as e:  # noqa: BLE001 - any engine failure names the step
-            self.salt.version = old_salt
-            if slept and touched:
-                slept = False          # weights may be half updated: stay paused
-                raise _failed(version, step, e, paused=True) from e
-            raise _failed(version, step, e, paused=False) from e
+            raise run.failed(e) from e
         finally:
-            if slept:
-                llm.wake_up(tags=["scheduling"])
-                rep.seconds["resume"] = time.perf_counter() - t
-        return rep
+            if run.resume:
+                self.engine.wake_up(tags=["scheduling"])
+                run.resumed()
+        return run.rep
 
-    def _update_sync(self, source: Any) -> int:
-        for name, args, kwargs in _update_calls(source):
-            getattr(self.engine, name)(*args, **kwargs)
-        layers = _expert_layers(source)
-        if needs_cpu_moe_reprepack() and layers != []:
-            return sum(self.engine.collective_rpc("routereplay_reprepack_cpu_moe",
-                                                  args=(layers,)))
-        return 0
-
-    # -- AsyncLLM ------------------------------------------------------------------------
     async def sync_async(self, source: Any, version: str, mode: str = "abort") -> SyncReport:
         """``AsyncLLM``: the whole cycle, awaited; in-flight requests per ``mode``.
 
         Raises:
-            WeightSyncError: naming the failed step (the engine is resumed).
+            WeightSyncError: as :meth:`sync`.
         """
+        run = _Run(self, source, version, mode, asynchronous=True)
+        try:
+            result = None
+            while (call := run.next(result)) is not None:
+                name, args, kwargs = call
+                result = await getattr(self.engine, name)(*args, **kwargs)
+        except Exception as e:  # noqa: BLE001
+            raise run.failed(e) from e
+        finally:
+            if run.resume:
+                await self.engine.resume_generation()
+                run.resumed()
+        return run.rep
+
+
+class _Run:
+    """One sync in progress: drives :meth:`WeightSync._cycle`, times its steps, and knows
+    whether the engine must be resumed."""
+
+    def __init__(self, sync: WeightSync, source: Any, version: str, mode: str,
+                 asynchronous: bool):
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
-        eng = self.engine
-        rep = SyncReport(version=str(version), mode=mode)
-        step, t, paused, touched = "pause", time.perf_counter(), False, False
-        old_salt = self.salt.version
-        try:
-            await eng.pause_generation(mode=mode, clear_cache=False)
-            paused = True
-            self.salt.version = str(version)          # see sync()
-            t = _lap(rep, step, t)
-            step, touched = "update", True
-            rep.moe_reprepacked = await self._update_async(source)
-            t = _lap(rep, step, t)
-            step = "eplb"
-            rep.eplb_layers_refreshed = sum(await eng.collective_rpc(
-                "routereplay_refresh_eplb", args=(_expert_layers(source),)))
-            t = _lap(rep, step, t)
-            step = "reset"
-            # NOTE: fails while kept requests hold blocks (keep mode): the version salt
-            # keeps every later request off those blocks.
-            rep.prefix_cache_reset = bool(await eng.reset_prefix_cache())
-            if not rep.prefix_cache_reset and mode != "keep":
-                raise WeightSyncError("reset_prefix_cache failed with no request in flight")
-            t = _lap(rep, step, t)
-            step = "version"
-            await eng.update_weight_version(str(version))
-            t = _lap(rep, step, t)
-        except Exception as e:  # noqa: BLE001
-            self.salt.version = old_salt
-            if paused and touched:
-                paused = False         # weights may be half updated: stay paused
-                raise _failed(version, step, e, paused=True) from e
-            raise _failed(version, step, e, paused=False) from e
-        finally:
-            if paused:
-                await eng.resume_generation()
-                rep.seconds["resume"] = time.perf_counter() - t
-        return rep
+        self.sync, self.version = sync, str(version)
+        self.rep = SyncReport(version=self.version, mode=mode)
+        self.old_salt = sync.salt.version
+        self.gen = sync._cycle(source, self.version, mode, self.rep, asynchronous)
+        self.step: str | None = None
+        self.t = time.perf_counter()
+        self.resume = False          # paused, and to be resumed on exit
 
-    async def _update_async(self, source: Any) -> int:
-        for name, args, kwargs in _update_calls(source):
-            await getattr(self.engine, name)(*args, **kwargs)
-        layers = _expert_layers(source)
-        if needs_cpu_moe_reprepack() and layers != []:
-            return sum(await self.engine.collective_rpc("routereplay_reprepack_cpu_moe",
-                                                        args=(layers,)))
-        return 0
+    def next(self, result: Any) -> tuple[str, tuple, dict] | None:
+        """Record the last call's result; the next engine call, or None when done."""
+        if self.step == "pause":
+            self.resume = True
+        try:
+            step, name, args, kwargs = self.gen.send(result) if self.step else next(self.gen)
+        except StopIteration:
+            self._lap()
+            return None
+        if step != self.step:
+            if self.step is not None:
+                self._lap()
+            self.step = step
+        return name, args, kwargs
+
+    def _lap(self) -> None:
+        now = time.perf_counter()
+        self.rep.seconds[self.step] = now - self.t
+        self.t = now
+
+    def failed(self, e: Exception) -> WeightSyncError:
+        self.sync.salt.version = self.old_salt
+        if self.resume and self.step != "pause":
+            self.resume = False          # weights may be half updated: stay paused
+            return _failed(self.version, self.step, e, paused=True)
+        return _failed(self.version, self.step or "pause", e, paused=False)
+
+    def resumed(self) -> None:
+        self.rep.seconds["resume"] = time.perf_counter() - self.t
 
 
 _EXPERT_KEY = re.compile(r"layers\.(\d+)\.mlp\.experts\.")
@@ -319,9 +321,3 @@ def _update_calls(source: Any) -> list[tuple[str, tuple, dict]]:
         return [("start_weight_update", (), {}), ("update_weights", (req,), {}),
                 ("finish_weight_update", (), {})]
     raise TypeError(f"unknown weight source {type(source).__name__}")
-
-
-def _lap(rep: SyncReport, step: str, t: float) -> float:
-    now = time.perf_counter()
-    rep.seconds[step] = now - t
-    return now

@@ -302,8 +302,9 @@ def _worker(rank: int, o: Options) -> None:
         ids = ids[:o.limit]
     if not ids:
         raise RecordError(f"sidecar {o.sidecar} holds no records")
-    # token ids, log-probs and metadata only: routing is decoded lazily by the replayer.
-    records = [reader.read(sid, layers=[], arrays=True) for sid in ids]
+    # token ids, log-probs and metadata only: routing is decoded lazily by the replayer;
+    # rank 0 alone also decodes all routing (it measures agreement with the engine).
+    records = [reader.read(sid, layers=None if rank == 0 else [], arrays=True) for sid in ids]
     check_records(records, schema)
 
     t0 = time.perf_counter()
@@ -331,10 +332,6 @@ def _worker(rank: int, o: Options) -> None:
         _perturb_routers(ctx, o.router_perturb, o.seed)
 
     raw: dict[str, np.ndarray] = {}
-    # rank 0 measures agreement against the engine routing: it alone decodes all of it.
-    full = [reader.read(sid, arrays=False) for sid in ids] if rank == 0 else []
-    full = [dataclasses.replace(f, token_ids=r.token_ids, logprobs=r.logprobs)
-            for f, r in zip(full, records)]
     for name, source in (("no_replay", None), ("replay", reader)):
         with selection_noise(o.router_select_noise, o.seed + 11):
             res = _run_condition(o, ctx, source)
@@ -342,7 +339,7 @@ def _worker(rank: int, o: Options) -> None:
         stats = _gather(res["stats"])
         if rank == 0:
             lp, used = _assemble(parts, records, schema)
-            result[name] = condition_metrics(full, lp, used)
+            result[name] = condition_metrics(records, lp, used)
             result[name]["forward_s"] = res["seconds"]
             result[name]["replay_stats"] = stats
             raw[f"{name}_lp"] = _pad_stack([lp[r.sample_id] for r in records], np.nan)
