@@ -251,7 +251,8 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--top-k", type=int)
     c.add_argument("--moe-layers", help="decoder layers that are MoE, e.g. '1-23' or '1,3,5'")
     c.add_argument("--num-layers", type=int, help="num_hidden_layers (default: max MoE layer + 1)")
-    c.add_argument("--codec", default="ctx-ans", help="routing codec (default ctx-ans)")
+    c.add_argument("--codec", default=None, help="routing codec (default ctx-zstd; ctx-ans-sorted "
+                   "with --column-order sorted; ctx-ans: smallest, slower)")
     c.add_argument("--column-order", default="engine", choices=["engine", "sorted"])
     c.add_argument("--layer-group", type=int, default=4, help="MoE layers per section")
     c.set_defaults(func=_cmd_convert)

@@ -130,22 +130,26 @@ class SidecarWriter:
             at most ``max_queue`` records; :meth:`write` blocks when it is full.
         fsync: "close" (default) fsyncs local files on close; "frame" after every frame;
             "never" leaves it to the OS.
-        codec: routing codec (routereplay.codec.CODECS); default ``ctx-ans``.
+        codec: routing codec (routereplay.codec.CODECS); None (default) picks ``ctx-zstd``
+            (fast), or ``ctx-ans-sorted`` for sorted streams; ``ctx-ans`` is 2-5 % smaller
+            than ``ctx-zstd`` on most routing and 10-50x slower.
         column_order: "engine" (default: top-k columns exactly as the engine returned
             them) or "sorted" (canonical: each row in ascending expert id; declared in the
-            header, coded with ``ctx-ans-sorted``, smaller by about log2(top_k!) bits a row).
+            header; ``ctx-ans-sorted`` codes it smaller by about log2(top_k!) bits a row).
 
     Every frame is flushed to the OS as soon as it is written, so a killed writer loses at
     most the frame in flight (a torn tail, which readers detect and skip).
     """
 
     def __init__(self, dest: str | os.PathLike | BinaryIO | None, schema: RoutingSchema, *,
-                 codec: str = _codec.DEFAULT_CODEC, background: bool = True, max_queue: int = 64,
+                 codec: str | None = None, background: bool = True, max_queue: int = 64,
                  fsync: str = "close", extra_header: dict[str, Any] | None = None,
                  layer_group: int = DEFAULT_LAYER_GROUP, column_order: str = "engine"):
         if column_order not in COLUMN_ORDERS:
             raise ValueError(f"column_order must be one of {COLUMN_ORDERS}")
-        if column_order == "sorted" and codec == "ctx-ans":
+        if codec is None:
+            codec = "ctx-ans-sorted" if column_order == "sorted" else _codec.DEFAULT_CODEC
+        elif column_order == "sorted" and codec == "ctx-ans":
             codec = "ctx-ans-sorted"
         if codec not in _codec.CODECS:
             raise ValueError(f"unknown codec {codec!r}")

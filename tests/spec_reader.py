@@ -108,6 +108,38 @@ def ctx_ans(data, t, g_count, k, e, sorted_rows):
     return [[rows[g][row] for g in range(g_count)] for row in range(t)]    # [T][G][K]
 
 
+def ctx_zstd(blob, t, g_count, k, e):
+    c = zstandard.ZstdDecompressor().decompress(blob)
+    total = g_count * t
+    nbits = (total + 7) // 8
+    fresh = [(c[i // 8] >> (7 - i % 8)) & 1 for i in range(total)]
+    assert all(fresh[g * t] for g in range(g_count))
+    p = 4 if e <= 4 else 2 if e <= 16 else 1 if e <= 256 else 0
+    r = 2 * k if p == 0 else -(-k // p)
+    n = sum(fresh)
+    assert len(c) == nbits + n * r
+    stored, pos = [], nbits
+    for g in range(g_count):
+        n_g = sum(fresh[g * t:(g + 1) * t])
+        if p == 0:
+            lo, hi = c[pos:pos + n_g * k], c[pos + n_g * k:pos + 2 * n_g * k]
+            stored += [[lo[m * k + j] | hi[m * k + j] << 8 for j in range(k)] for m in range(n_g)]
+        else:
+            for m in range(n_g):
+                row = []
+                for byte in c[pos + m * r:pos + (m + 1) * r]:
+                    assert byte < e ** p
+                    row += [byte // e ** (p - 1 - q) % e for q in range(p)]
+                stored.append(row[:k])
+        pos += n_g * r
+    assert all(x < e for row in stored for x in row)
+    rows, s = [], 0
+    for i in range(total):
+        s += fresh[i]
+        rows.append(stored[s - 1])
+    return [[rows[g * t + row] for g in range(g_count)] for row in range(t)]   # [T][G][K]
+
+
 def read_stream(data):
     """-> (header dict, [record dicts with 'routing' as nested lists [T][L_moe][K]])."""
     assert data[:8] == b"\x89RRSC\r\n\x1a"
@@ -151,7 +183,9 @@ def read_stream(data):
                     pos += length
                 if name == "routing":
                     l0, l1 = dims
-                    if codec.startswith("ctx-ans"):
+                    if codec == "ctx-zstd":
+                        part = ctx_zstd(blob, t, l1 - l0, k, e)
+                    elif codec.startswith("ctx-ans"):
                         part = ctx_ans(blob, t, l1 - l0, k, e, codec == "ctx-ans-sorted")
                     else:
                         raw = blob if codec == "raw-lm" else zstandard.ZstdDecompressor().decompress(blob)

@@ -17,7 +17,7 @@ Environment:
   :class:`SidecarRef` string ``routereplay:<stream>#<sample id>`` once the record is
   written, so served responses carry that small reference in ``routed_experts`` instead of
   the base64 array. Default: vLLM's outputs and responses are unchanged.
-- ``ROUTEREPLAY_CODEC``: routing codec of the stream (default ``ctx-ans``).
+- ``ROUTEREPLAY_CODEC``: routing codec of the stream (default ``ctx-zstd``).
 
 Where it hooks (vLLM 0.32/0.33 ``vllm/v1/engine/output_processor.py``, the front-end place
 where a finished request's ``CompletionOutput`` is built): ``RequestState.from_new_request``
@@ -80,7 +80,7 @@ class SidecarRef(str):
 class _Streamer:
     """Per-process state: the schema, the (lazily opened) writer, counters."""
 
-    def __init__(self, dest: str, reference: bool, codec: str):
+    def __init__(self, dest: str, reference: bool, codec: str | None):
         self.dest_spec = dest
         self.reference = reference
         self.codec = codec
@@ -208,7 +208,7 @@ def _patch(obj: Any, name: str, value: Any) -> None:
     setattr(obj, name, value)
 
 
-def install(dest: str, *, reference: bool = False, codec: str = "ctx-ans",
+def install(dest: str, *, reference: bool = False, codec: str | None = None,
             schema: RoutingSchema | None = None) -> None:
     """Stream finished requests' routing to ``dest`` in this process (see module doc).
 
@@ -292,4 +292,4 @@ def register() -> None:
     if not dest:
         return
     install(dest, reference=os.environ.get(ENV_RESPONSE, "") == "reference",
-            codec=os.environ.get(ENV_CODEC, "ctx-ans"))
+            codec=os.environ.get(ENV_CODEC) or None)

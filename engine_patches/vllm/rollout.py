@@ -78,7 +78,7 @@ def generate_with_update(llm, prompts: list[str], sp, weights_path: str,
 
 
 def rollout(llm, prompts: list[str], sidecar: str, *, max_tokens: int = 48, seed: int = 0,
-            temperature: float = 1.0, sample_prefix: str = "s", codec: str = "ctx-ans",
+            temperature: float = 1.0, sample_prefix: str = "s", codec: str | None = None,
             update_from: str | None = None) -> dict:
     """Generate one completion per prompt and stream every record into ``sidecar``.
 
@@ -131,7 +131,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--max-tokens", type=int, default=48)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--codec", default="ctx-ans", help="routing codec of the sidecar")
+    p.add_argument("--codec", default=None, help="routing codec of the sidecar (default ctx-zstd)")
     p.add_argument("--update-from", help="checkpoint folder loaded halfway through (keep mode)")
     a = p.parse_args(argv)
     with open(a.prompts) as f:
