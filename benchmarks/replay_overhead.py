@@ -11,7 +11,7 @@ activation recompute unless --no-recompute). The routing to replay is the model'
 Conditions, interleaved iteration by iteration (median of --iters after one warm-up):
 - plain: no replayer at all (megatron's native routing);
 - replay (sidecar): RouterReplayer decoding each microbatch's rows from the sidecar
-  (ctx-ans), validating them, and forcing them in forward and recompute;
+  (the default codec, ctx-zstd), validating them, and forcing them in forward and recompute;
 - replay (in memory): the same from already-decoded records (no decode cost).
 """
 from __future__ import annotations

@@ -113,25 +113,25 @@ def ctx_zstd(blob, t, g_count, k, e):
     total = g_count * t
     nbits = (total + 7) // 8
     fresh = [(c[i // 8] >> (7 - i % 8)) & 1 for i in range(total)]
-    assert all(fresh[g * t] for g in range(g_count))
+    assert t == 0 or all(fresh[g * t] for g in range(g_count))
     p = 4 if e <= 4 else 2 if e <= 16 else 1 if e <= 256 else 0
-    r = 2 * k if p == 0 else -(-k // p)
-    n = sum(fresh)
-    assert len(c) == nbits + n * r
     stored, pos = [], nbits
     for g in range(g_count):
-        n_g = sum(fresh[g * t:(g + 1) * t])
+        n_ids = sum(fresh[g * t:(g + 1) * t]) * k
         if p == 0:
-            lo, hi = c[pos:pos + n_g * k], c[pos + n_g * k:pos + 2 * n_g * k]
-            stored += [[lo[m * k + j] | hi[m * k + j] << 8 for j in range(k)] for m in range(n_g)]
+            lo, hi = c[pos:pos + n_ids], c[pos + n_ids:pos + 2 * n_ids]
+            seq = [lo[i] | hi[i] << 8 for i in range(n_ids)]
+            pos += 2 * n_ids
         else:
-            for m in range(n_g):
-                row = []
-                for byte in c[pos + m * r:pos + (m + 1) * r]:
-                    assert byte < e ** p
-                    row += [byte // e ** (p - 1 - q) % e for q in range(p)]
-                stored.append(row[:k])
-        pos += n_g * r
+            nb = -(-n_ids // p)
+            seq = []
+            for byte in c[pos:pos + nb]:
+                assert byte < e ** p
+                seq += [byte // e ** (p - 1 - q) % e for q in range(p)]
+            seq = seq[:n_ids]
+            pos += nb
+        stored += [seq[m:m + k] for m in range(0, n_ids, k)]
+    assert pos == len(c)
     assert all(x < e for row in stored for x in row)
     rows, s = [], 0
     for i in range(total):

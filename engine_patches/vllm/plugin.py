@@ -96,8 +96,13 @@ class _Streamer:
         """The stream's path for this process.
 
         Raises:
-            RouteReplayError: a local destination whose folder does not exist.
+            RouteReplayError: a local destination whose folder does not exist, or an
+                unknown codec (``ROUTEREPLAY_CODEC``).
         """
+        from routereplay.codec import CODECS
+        if self.codec is not None and self.codec not in CODECS:
+            raise RouteReplayError(f"{ENV_CODEC}={self.codec!r} is not a routing codec; "
+                                   f"known: {', '.join(CODECS)}")
         d = self.dest_spec
         if "://" in d:
             return d
@@ -223,7 +228,7 @@ def install(dest: str, *, reference: bool = False, codec: str | None = None,
 
     st = _Streamer(dest, reference, codec)
     st.schema = schema
-    st.resolve()                      # NOTE: a bad destination fails at start-up, not later
+    st.resolve()                # NOTE: a bad destination or codec fails at start-up, not later
     _STREAMER = st
     orig_ip_init = ip.InputProcessor.__init__
     orig_from_new = op.RequestState.__dict__["from_new_request"].__func__

@@ -7,13 +7,14 @@ named by a short string stored in each routing section's metadata (docs/FORMAT.m
   table per layer (routereplay.codec.ctx_zstd). Fast: hundreds of MB/s both ways.
 - ``ctx-ans``: our adaptive context model (repeat flags, popularity ranks with
   exclusion) driving constriction's rANS coder (routereplay.codec.context). 2-5 % below
-  ``ctx-zstd`` on most traces (14 % with long repeat runs), at 5-30 MB/s. Column order
+  ``ctx-zstd`` on most traces (11 % with long repeat runs), at 5-30 MB/s. Column order
   preserved.
 - ``ctx-ans-sorted``: ``ctx-ans`` for streams declared ``column_order: "sorted"`` (the
   writer's choice for sorted streams).
 - ``zstd-lm`` / ``raw-lm``: layer-major bytes, zstd-compressed or raw (version 1 streams).
 
-Decoders never allocate from a size they have not checked against real data.
+Decoders never allocate more than the section's shape allows (its metadata, itself capped
+by the reader), and where a frame does not declare its size, memory grows with the data.
 """
 from __future__ import annotations
 
@@ -58,8 +59,14 @@ def decode(data: bytes, codec: str, shape: tuple[int, int, int], dtype: np.dtype
     ``shape`` is (T, L_g, top_k) from the frame metadata.
 
     Raises:
-        SidecarError: unknown codec, or the bytes do not decode to ``shape``.
+        SidecarError: unknown codec, a shape that is not three non-negative ints, a
+            num_experts below 1 (``ctx-*``), or bytes that do not decode to ``shape``.
     """
+    if len(shape) != 3 or any(not isinstance(n, (int, np.integer)) or n < 0 for n in shape):
+        raise SidecarError(f"routing section shape {tuple(shape)} is not [T, layers, top_k]")
+    shape = tuple(int(n) for n in shape)
+    if codec.startswith("ctx-") and num_experts is not None and num_experts < 1:
+        raise SidecarError(f"num_experts {num_experts} < 1")
     if codec in ("raw-lm", "zstd-lm"):
         return layer_major.decode(data, codec, shape, dtype)
     if codec.startswith("ctx-") and num_experts is None:

@@ -4,18 +4,21 @@ Per section (ids ``[T, G, K]``), rows in layer-major order:
 
 1. Repeats: one bit per row, 0 when the row equals the previous token's row of the same
    layer (such rows are not stored), 1 for a stored row.
-2. Fresh rows as bytes, row-major: one byte per id (E <= 256), or two byte planes, low
-   then high (E > 256); for E <= 16, two ids share a byte (four for E <= 4), so that the
-   Huffman stage codes them jointly and learns for free that a row never repeats an
-   expert.
+   A section where that saves less than the bitmap costs (chance repeats) stores every
+   row instead (:func:`_store_every_row`).
+2. Stored rows as bytes, per layer, row-major: one byte per id (E <= 256), or two byte
+   planes, low then high (E > 256). For E <= 16 a layer's ids share bytes, two a byte
+   (four for E <= 4), across row boundaries: the Huffman stage then codes pairs, which
+   also learns that a row never repeats an expert, and top-1 routing over few experts
+   is not left with 2-3 bit symbols, where zstd's match finder takes chance matches.
 3. One zstd frame; a block ends after the bitmap and after each layer's bytes, so that
-   each layer gets its own Huffman table (its popular experts) and zstd's match finder
-   sees one layer at a time.
+   each layer gets its own Huffman table (its popular experts). Frames under 32 KiB are
+   also tried as a single block (one table), and the smaller is kept.
 
 NOTE: the decoder is zstd plus a handful of whole-array numpy operations per section (a
 cumulative sum, a row gather, a transpose; a table lookup for packed ids), which is what
 makes it fast: no per-symbol work in Python, no adaptive model. ``ctx-ans``
-(routereplay.codec.context) is 2-5 % smaller on most traces (14 % with long repeat runs)
+(routereplay.codec.context) is 2-5 % smaller on most traces (11 % with long repeat runs)
 at a tenth of the speed or less (benchmarks/README.md).
 """
 from __future__ import annotations
@@ -25,14 +28,31 @@ import threading
 import numpy as np
 import zstandard
 
+from routereplay.codec.layer_major import bounded_zstd_decompress
 from routereplay.errors import SidecarError
 
-LEVEL = 3                       # zstd level (measured: higher levels gain < 1 % here)
-SMALL_SECTION = 4096            # bytes: below this the encoder also tries a single block
-STORE_ALL_BELOW = 16            # store every row when fewer than 1/16 of the rows repeat
+LEVEL = 9                       # zstd level
+MIN_MATCH = 7                   # bytes; see _compressor
+SMALL_SECTION = 32768           # bytes: below this the encoder also tries a single block
 ONE_SHOT_LIMIT = 64 << 20       # bytes: a larger declared content is decompressed in steps
 _LUTS: dict = {}
 _LOCAL = threading.local()       # NOTE: zstandard (de)compressor objects are not thread-safe
+
+
+def _compressor(level: int) -> zstandard.ZstdCompressor:
+    """zstd at ``level`` with matches of at least ``MIN_MATCH`` bytes.
+
+    NOTE: measured on routing traces: zstd's default parameters for a small input (what
+    ``compress`` picks from the pledged size) and short minimum matches make the match
+    finder take chance 4-byte matches between unrelated rows, which cost more than the
+    literals they replace: up to 6 % larger sections (E=32 top-4, 1024 tokens) than
+    these fixed parameters, at the same speed.
+    """
+    key = ("cctx", level)
+    if not hasattr(_LOCAL, "cctx") or _LOCAL.cctx[0] != key:
+        params = zstandard.ZstdCompressionParameters.from_level(level, min_match=MIN_MATCH)
+        _LOCAL.cctx = (key, zstandard.ZstdCompressor(compression_params=params))
+    return _LOCAL.cctx[1]
 
 
 def _decompressor() -> zstandard.ZstdDecompressor:
@@ -46,10 +66,12 @@ def pack_width(num_experts: int) -> int:
     return 4 if num_experts <= 4 else 2 if num_experts <= 16 else 1 if num_experts <= 256 else 0
 
 
-def row_bytes(num_experts: int, top_k: int) -> int:
-    """Bytes of one stored row."""
-    n = pack_width(num_experts)
-    return 2 * top_k if n == 0 else -(-top_k // n)
+def layer_bytes(num_stored: np.ndarray | int, num_experts: int, top_k: int) -> np.ndarray | int:
+    """Bytes of a layer's part for ``num_stored`` stored rows (int, or int64 array per layer)."""
+    per = pack_width(num_experts)
+    if per == 0:
+        return 2 * top_k * num_stored
+    return -(-(num_stored * top_k) // per)
 
 
 def _row_view(x: np.ndarray) -> np.ndarray:
@@ -57,20 +79,18 @@ def _row_view(x: np.ndarray) -> np.ndarray:
     return np.ascontiguousarray(x).view(_row_dtype(x.shape[-1] * x.itemsize)).reshape(x.shape[:-1])
 
 
-def _pack(rows: np.ndarray, num_experts: int) -> np.ndarray:
-    """Fresh rows [N, K] (E <= 256) -> stored bytes uint8 [N, row_bytes]: ``pack_width`` ids
-    per byte, first id most significant; a short last byte is padded with id 0."""
-    n, k = rows.shape
+def _pack(ids: np.ndarray, num_experts: int) -> np.ndarray:
+    """One layer's stored ids, flat uint8 [N_g * K] (E <= 256) -> its bytes: ``pack_width``
+    ids per byte, first id most significant, the last byte padded with id 0."""
     per = pack_width(num_experts)
-    rows = rows.astype(np.uint8, copy=False)
     if per == 1:
-        return rows
-    nb = -(-k // per)
-    padded = np.zeros((n, nb * per), dtype=np.uint8)
-    padded[:, :k] = rows
-    out = np.zeros((n, nb), dtype=np.uint8)
-    for j in range(per):
-        out = out * num_experts + padded[:, j::per]
+        return ids
+    padded = np.zeros(-(-ids.size // per) * per, dtype=np.uint8)
+    padded[:ids.size] = ids
+    padded = padded.reshape(-1, per)
+    out = padded[:, 0].copy()
+    for j in range(1, per):
+        out = out * num_experts + padded[:, j]
     return out
 
 
@@ -89,6 +109,25 @@ def _unpack_table(num_experts: int, per: int) -> np.ndarray:
         ids[num_experts ** per:] = 255
         _LUTS[key] = ids.view(np.uint16 if per == 2 else np.uint32).ravel()
     return _LUTS[key]
+
+
+def _store_every_row(repeat_fraction: float, num_experts: int, top_k: int) -> bool:
+    """Whether a section stores every row (an all-ones bitmap) instead of skipping repeats.
+
+    NOTE: the bitmap costs about H2(f) bits a row (f = fraction of rows that repeat) and
+    saves f rows of at most top_k * log2(E) bits, fewer with skewed routing (hence the
+    factor 3/4, measured on Zipf traces). Repeats that happen by chance (uniform top-1
+    over few experts: f = 1/E) save less than the bitmap costs: measured 19 % larger
+    sections at E=5, top-1, without this rule. An all-ones bitmap also lets the decoder
+    skip the row gather, so near the break-even point storing every row is preferred.
+    """
+    f = repeat_fraction
+    if f <= 0.0:
+        return True
+    if f >= 1.0:
+        return False
+    h2 = -(f * np.log2(f) + (1.0 - f) * np.log2(1.0 - f))
+    return h2 >= 0.75 * f * top_k * np.log2(max(num_experts, 2))
 
 
 def encode(ids: np.ndarray, num_experts: int, level: int = LEVEL) -> bytes:
@@ -111,27 +150,27 @@ def encode(ids: np.ndarray, num_experts: int, level: int = LEVEL) -> bytes:
     fresh = np.ones((g, t), dtype=bool)
     fresh[:, 1:] = rows[:, 1:] != rows[:, :-1]
     nfresh = fresh.sum(axis=1)
-    if (g * t - nfresh.sum()) * STORE_ALL_BELOW < g * t:
-        # NOTE: with few repeats, storing them costs about what the bitmap's bits do, and
-        # an all-ones bitmap lets the decoder skip the row gather (faster by a third).
+    if _store_every_row(1.0 - nfresh.sum() / max(g * t, 1), e, k):
         fresh[:] = True
         nfresh[:] = t
-    stored = rows[fresh].view(ids.dtype).reshape(-1, k)                     # layer-major
-    if pack_width(e) == 0:
-        planes = [(stored & 0xFF).astype(np.uint8), (stored >> 8).astype(np.uint8)]
-    else:
-        planes = [_pack(stored, e)]
+    stored = rows[fresh].view(ids.dtype)                      # [N * K] layer-major ids
     parts = [np.packbits(fresh.ravel()).tobytes()]
-    bounds = np.concatenate(([0], np.cumsum(nfresh)))
+    bounds = k * np.concatenate(([0], np.cumsum(nfresh)))
     for layer in range(g):
-        parts += [p[bounds[layer]:bounds[layer + 1]].tobytes() for p in planes]
-    cctx = zstandard.ZstdCompressor(level=level)
+        ids_g = stored[bounds[layer]:bounds[layer + 1]]
+        if e > 256:
+            parts += [(ids_g & 0xFF).astype(np.uint8).tobytes(), (ids_g >> 8).astype(np.uint8).tobytes()]
+        else:
+            parts.append(_pack(ids_g, e).tobytes())
+    cctx = _compressor(level)
     cobj = cctx.compressobj(size=sum(map(len, parts)))
     out = b"".join([cobj.compress(p) + cobj.flush(zstandard.COMPRESSOBJ_FLUSH_BLOCK)
                     for p in parts[:-1]] + [cobj.compress(parts[-1]) + cobj.flush()])
     if len(out) < SMALL_SECTION:
-        # NOTE: on a short section a Huffman table per layer can cost more than it saves;
-        # try one block too and keep the smaller (readers do not depend on blocks).
+        # NOTE: on a short section, or routing without per-layer preferences, a Huffman
+        # table per layer can cost more than it saves (measured up to 1 % at E=128, top-1,
+        # 2048 tokens); try one block too and keep the smaller (readers do not depend on
+        # blocks).
         one = cctx.compress(b"".join(parts))
         out = one if len(one) < len(out) else out
     return out
@@ -140,30 +179,22 @@ def encode(ids: np.ndarray, num_experts: int, level: int = LEVEL) -> bytes:
 def _content(data: bytes, cap: int) -> bytes:
     """The section's zstd frame -> its content, never more than ``cap`` bytes.
 
-    NOTE: a frame that declares its size (ours always do) is checked against ``cap`` before
-    one-shot decompression; otherwise memory grows with what the frame really holds.
+    NOTE: a frame that declares its size (ours always do) is checked against ``cap`` and
+    decompressed in one call; otherwise memory grows with what the frame really holds
+    (routereplay.codec.layer_major.bounded_zstd_decompress).
     """
     try:
         declared = zstandard.frame_content_size(data)
-        if 0 <= declared <= min(cap, ONE_SHOT_LIMIT):
+        if declared > cap:
+            raise SidecarError(f"ctx-zstd frame declares {declared} bytes, the shape allows {cap}")
+        if 0 <= declared <= ONE_SHOT_LIMIT:
             out = _decompressor().decompress(data)
             if len(out) != declared:
                 raise SidecarError(f"ctx-zstd frame holds {len(out)} bytes, declares {declared}")
             return out
-        if declared > cap:
-            raise SidecarError(f"ctx-zstd frame declares {declared} bytes, the shape allows {cap}")
-        buf = bytearray()
-        reader = zstandard.ZstdDecompressor().stream_reader(data, read_across_frames=False)
-        while len(buf) <= cap:
-            piece = reader.read(min(1 << 20, cap + 1 - len(buf)))
-            if not piece:
-                break
-            buf += piece
     except zstandard.ZstdError as exc:
         raise SidecarError(f"ctx-zstd section is not a valid zstd frame: {exc}") from None
-    if len(buf) > cap:
-        raise SidecarError(f"ctx-zstd section holds more than the {cap} bytes its shape allows")
-    return bytes(buf)
+    return bounded_zstd_decompress(data, cap, exact=False)
 
 
 def _row_dtype(width: int) -> np.dtype:
@@ -175,9 +206,10 @@ def decode(data: bytes, shape: tuple[int, int, int], dtype: np.dtype, num_expert
     """``ctx-zstd`` section bytes -> ids [T, G, top_k] of ``dtype``.
 
     Raises:
-        SidecarError: not a zstd frame, or content that does not decode to exactly
-            ``shape``: a repeat flag on a layer's first row, content of the wrong length
-            for the stored rows the bitmap implies, ids >= num_experts.
+        SidecarError: ``dtype`` is not uint8 (E <= 256) / uint16 (E > 256); not a zstd
+            frame; or content that does not decode to exactly ``shape``: a repeat flag on
+            a layer's first row, content of the wrong length for the stored rows the
+            bitmap implies, ids >= num_experts.
     """
     # NOTE: written for few numpy calls: at 4 layers x 4096 tokens a call's fixed cost
     # (microseconds) is a large part of the whole decode.
@@ -187,41 +219,41 @@ def decode(data: bytes, shape: tuple[int, int, int], dtype: np.dtype, num_expert
     if dtype != (np.uint8 if e <= 256 else np.uint16):
         raise SidecarError(f"ctx-zstd stores {e} experts as "
                            f"{'uint8' if e <= 256 else 'uint16'}, not {dtype.name}")
-    total, rb, per = g * t, row_bytes(e, k), pack_width(e)
+    total, per = g * t, pack_width(e)
     nbits = -(-total // 8)
-    content = np.frombuffer(_content(data, nbits + total * rb), dtype=np.uint8)
+    full = nbits + g * layer_bytes(t, e, k)                          # every row stored
+    content = np.frombuffer(_content(data, full), dtype=np.uint8)
     if content.size < nbits:
         raise SidecarError("ctx-zstd content ends inside its repeat bitmap")
     fresh = np.unpackbits(content[:nbits], count=total)              # 1: a stored row
     if t and not fresh[::t].all():
         raise SidecarError(f"ctx-zstd marks the first row of layer {int(np.argmin(fresh[::t]))} "
                            "of the section as a repeat")
-    if content.size == nbits + total * rb:
-        if total and not fresh.all():
-            raise SidecarError("ctx-zstd content holds every row but its bitmap marks repeats")
-        n, src = total, None                                         # every row stored
+    # NOTE: per-layer stored-row counts matter only for byte planes and for packed ids
+    # with padding at each layer's end; otherwise totals suffice (fewer numpy calls).
+    per_layer = per == 0 or (per > 1 and k % per != 0)
+    if content.size == full and fresh.all():                          # every row stored
+        src, n = None, total
+        nstored = np.full(g, t, dtype=np.int64) if per_layer else None
     else:
         src = np.cumsum(fresh, dtype=np.intp)
         n = int(src[-1]) if total else 0
-    if content.size != nbits + n * rb:
+        nstored = fresh.reshape(g, t).sum(axis=1, dtype=np.int64) if per_layer else None
+    size = nbits + (int(layer_bytes(nstored, e, k).sum()) if per_layer else layer_bytes(n, e, k))
+    if content.size != size:
         raise SidecarError(f"ctx-zstd content of {content.size} bytes does not match its "
                            f"{n} stored rows of a {g} x {t} x {k} section")
     if n == 0:
         return np.zeros(shape, dtype)
     stored = content[nbits:]
-    if per == 1:
+    if per == 0:
+        rows = _wide_rows(stored, nstored, k, e)
+    elif per == 1:
         if e < 256 and int(stored.max()) >= e:
             raise SidecarError(f"ctx-zstd section holds an expert id >= {e}")
         rows = stored.view(_row_dtype(k))
-    elif per == 0:
-        rows = _wide_rows(stored, fresh.reshape(g, t).sum(axis=1), k, e)
     else:
-        if int(stored.max()) >= e ** per:
-            raise SidecarError(f"ctx-zstd section holds a packed byte >= {e ** per}")
-        rows = np.take(_unpack_table(e, per), stored)
-        if rb * per != k:                                            # a short last byte
-            rows = np.ascontiguousarray(rows.view(np.uint8).reshape(n, -1)[:, :k])
-        rows = rows.view(_row_dtype(k)).reshape(n)
+        rows = _unpack(stored, e, per, nstored * k if per_layer else None).view(_row_dtype(k))
     if src is None:
         flat = rows
     elif rows.dtype.kind == "V":
@@ -236,6 +268,23 @@ def decode(data: bytes, shape: tuple[int, int, int], dtype: np.dtype, num_expert
     for layer in range(g):              # NOTE: column copies transpose 3x faster than numpy's
         out[:, layer] = flat[layer * t:(layer + 1) * t]
     return out.view(dtype).reshape(t, g, k)
+
+
+def _unpack(stored: np.ndarray, num_experts: int, per: int,
+            counts: np.ndarray | None) -> np.ndarray:
+    """Packed bytes of all layers -> their ids, flat uint8. ``counts``: ids per layer
+    (int64 [G]) when layers end in padding, which is dropped; None when none does.
+
+    Raises:
+        SidecarError: a byte >= E^per.
+    """
+    if int(stored.max()) >= num_experts ** per:
+        raise SidecarError(f"ctx-zstd section holds a packed byte >= {num_experts ** per}")
+    ids = np.take(_unpack_table(num_experts, per), stored).view(np.uint8)
+    if counts is None:
+        return ids
+    starts = per * np.concatenate(([0], np.cumsum(-(-counts // per))[:-1]))
+    return np.concatenate([ids[s:s + c] for s, c in zip(starts.tolist(), counts.tolist())])
 
 
 def _wide_rows(stored: np.ndarray, nfresh: np.ndarray, k: int, num_experts: int) -> np.ndarray:

@@ -23,15 +23,18 @@ def encode(ids: np.ndarray, codec: str, level: int = ZSTD_LEVEL) -> bytes:
     return zstandard.ZstdCompressor(level=level).compress(lm.tobytes())
 
 
-def bounded_zstd_decompress(data: bytes, nbytes: int, chunk: int = 1 << 20) -> bytes:
-    """Decompress one zstd frame that must hold exactly ``nbytes`` bytes.
+def bounded_zstd_decompress(data: bytes, nbytes: int, chunk: int = 1 << 20, *,
+                            exact: bool = True) -> bytes:
+    """Decompress one zstd frame that must hold exactly ``nbytes`` bytes (at most
+    ``nbytes`` with ``exact=False``).
 
     NOTE: memory grows with the bytes actually produced (read in ``chunk``-sized steps),
     never with a size claimed by metadata or by the frame header, so forged sizes cannot
     cause a huge allocation.
 
     Raises:
-        SidecarError: not a valid zstd frame, or its content is not ``nbytes`` long.
+        SidecarError: not a valid zstd frame, or its content is not ``nbytes`` long
+            (longer than ``nbytes`` with ``exact=False``).
     """
     out = bytearray()
     try:
@@ -43,9 +46,10 @@ def bounded_zstd_decompress(data: bytes, nbytes: int, chunk: int = 1 << 20) -> b
             out += piece
     except zstandard.ZstdError as e:
         raise SidecarError(f"zstd section does not decode: {e}") from None
-    if len(out) != nbytes:
+    if len(out) > nbytes or (exact and len(out) != nbytes):
         raise SidecarError(f"zstd section holds {'more than ' if len(out) > nbytes else ''}"
-                           f"{len(out)} bytes, metadata says {nbytes}")
+                           f"{len(out)} bytes, metadata says {'at most ' if not exact else ''}"
+                           f"{nbytes}")
     return bytes(out)
 
 
