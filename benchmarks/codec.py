@@ -203,7 +203,7 @@ def print_grid(tokens=2048, layers=8):
     """ctx-zstd / zstd-19 sizes over a grid of E, top_k, skew and repeat probability
     (records of ``tokens`` x ``layers``); prints the largest ratios."""
     rows = []
-    for e in (5, 8, 12, 16, 17, 24, 32, 40, 60, 64, 96, 128, 160, 256, 300, 384):
+    for e in (3, 4, 5, 8, 11, 12, 14, 16, 17, 24, 32, 60, 64, 96, 128, 160, 256, 300, 384):
         for k in (1, 2, 4, 6, 8):
             for skew, rep in ((0.0, 0.0), (0.0, 0.5), (1.0, 0.0), (1.0, 0.9)):
                 if k > e:

@@ -116,6 +116,28 @@ def encode_record_payload(record: RoutingRecord, schema: RoutingSchema,
 # --------------------------------------------------------------------------- writer
 
 
+def writer_codec(codec: str | None, column_order: str = "engine") -> str:
+    """The routing codec a writer uses for ``codec`` (None: the default) and ``column_order``.
+
+    None -> ``ctx-zstd`` (engine order) or ``ctx-ans-sorted`` (sorted); ``ctx-ans`` with
+    sorted rows -> ``ctx-ans-sorted``.
+
+    Raises:
+        ValueError: unknown codec or column order, or ``ctx-ans-sorted`` for engine order.
+    """
+    if column_order not in COLUMN_ORDERS:
+        raise ValueError(f"column_order must be one of {COLUMN_ORDERS}")
+    if codec is None:
+        return "ctx-ans-sorted" if column_order == "sorted" else _codec.DEFAULT_CODEC
+    if column_order == "sorted" and codec == "ctx-ans":
+        return "ctx-ans-sorted"
+    if codec not in _codec.CODECS:
+        raise ValueError(f"unknown codec {codec!r}; known: {', '.join(_codec.CODECS)}")
+    if codec == "ctx-ans-sorted" and column_order != "sorted":
+        raise ValueError("codec 'ctx-ans-sorted' needs column_order='sorted'")
+    return codec
+
+
 class SidecarWriter:
     """Append routing records to a sidecar stream, off the caller's thread.
 
@@ -145,16 +167,7 @@ class SidecarWriter:
                  codec: str | None = None, background: bool = True, max_queue: int = 64,
                  fsync: str = "close", extra_header: dict[str, Any] | None = None,
                  layer_group: int = DEFAULT_LAYER_GROUP, column_order: str = "engine"):
-        if column_order not in COLUMN_ORDERS:
-            raise ValueError(f"column_order must be one of {COLUMN_ORDERS}")
-        if codec is None:
-            codec = "ctx-ans-sorted" if column_order == "sorted" else _codec.DEFAULT_CODEC
-        elif column_order == "sorted" and codec == "ctx-ans":
-            codec = "ctx-ans-sorted"
-        if codec not in _codec.CODECS:
-            raise ValueError(f"unknown codec {codec!r}")
-        if codec == "ctx-ans-sorted" and column_order != "sorted":
-            raise ValueError("codec 'ctx-ans-sorted' needs column_order='sorted'")
+        codec = writer_codec(codec, column_order)
         if fsync not in ("close", "frame", "never"):
             raise ValueError("fsync must be 'close', 'frame' or 'never'")
         if layer_group < 1:

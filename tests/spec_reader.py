@@ -109,12 +109,12 @@ def ctx_ans(data, t, g_count, k, e, sorted_rows):
 
 
 def ctx_zstd(blob, t, g_count, k, e):
-    c = zstandard.ZstdDecompressor().decompress(blob)
+    c = zstandard.ZstdDecompressor().decompressobj().decompress(blob)   # size declared or not
     total = g_count * t
     nbits = (total + 7) // 8
     fresh = [(c[i // 8] >> (7 - i % 8)) & 1 for i in range(total)]
     assert t == 0 or all(fresh[g * t] for g in range(g_count))
-    p = 4 if e <= 4 else 2 if e <= 16 else 1 if e <= 256 else 0
+    p = 4 if e <= 4 else 2 if e <= 11 or e == 16 else 1 if e <= 256 else 0
     stored, pos = [], nbits
     for g in range(g_count):
         n_ids = sum(fresh[g * t:(g + 1) * t]) * k

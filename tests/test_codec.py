@@ -123,7 +123,8 @@ def test_independent_reader_decodes_what_we_write():
     """tests/spec_reader.py is written from docs/FORMAT.md alone (no numpy, no routereplay)."""
     for e, k, order, name in [
             (16, 4, "engine", None), (300, 3, "engine", None), (3, 2, "engine", None),
-            (5, 3, "engine", None), (60, 5, "engine", None), (16, 4, "sorted", "ctx-zstd"),
+            (5, 3, "engine", None), (11, 3, "engine", None), (60, 5, "engine", None),
+            (16, 4, "sorted", "ctx-zstd"),
             (16, 4, "engine", "ctx-ans"), (300, 3, "engine", "ctx-ans"),
             (16, 4, "sorted", None), (8, 8, "engine", "ctx-ans")]:
         schema = RoutingSchema(num_hidden_layers=7, moe_layer_ids=(1, 2, 3, 4, 5, 6), top_k=k,
@@ -220,7 +221,7 @@ def test_ctx_zstd_below_zstd19_with_repetition_and_within_1pct_on_uniform(e, k):
 
 
 def test_ctx_zstd_layout_is_the_spec():
-    """Hand-checked content: bitmap, E <= 16 pairs packed, repeats not stored."""
+    """Hand-checked content: bitmap, E <= 11 pairs packed, repeats not stored."""
     ids = np.array([[[1, 2], [3, 0]], [[1, 2], [3, 1]], [[1, 2], [3, 1]]], dtype=np.uint8)
     content = zstandard.ZstdDecompressor().decompress(codec.encode(ids, "ctx-zstd", 8))
     # rows layer-major: layer 0 t=0,1,2 -> fresh, repeat, repeat; layer 1 -> fresh, fresh, repeat
@@ -246,8 +247,8 @@ def test_ctx_zstd_stores_every_row_when_repeats_are_chance():
 
 def test_ctx_zstd_corrupt_sections_are_our_error():
     rng = np.random.default_rng(3)
-    ids, _ = routing_trace(rng, 300, 3, 12, 4, 0.5)
-    blob = codec.encode(ids, "ctx-zstd", 12)
+    ids, _ = routing_trace(rng, 300, 3, 10, 4, 0.5)
+    blob = codec.encode(ids, "ctx-zstd", 10)
     shape = ids.shape
 
     def frame(content):
@@ -264,9 +265,9 @@ def test_ctx_zstd_corrupt_sections_are_our_error():
     ]
     for bad, why in cases:
         with pytest.raises(SidecarError, match=why):
-            codec.decode(bad, "ctx-zstd", shape, np.uint8, 12)
+            codec.decode(bad, "ctx-zstd", shape, np.uint8, 10)
     with pytest.raises(SidecarError, match="uint8"):
-        codec.decode(blob, "ctx-zstd", shape, np.uint16, 12)
+        codec.decode(blob, "ctx-zstd", shape, np.uint16, 10)
     wide = codec.encode(np.full((2, 1, 2), 299, dtype=np.uint16), "ctx-zstd", 300)
     with pytest.raises(SidecarError, match="expert id >= 280"):
         codec.decode(wide, "ctx-zstd", (2, 1, 2), np.uint16, 280)
@@ -275,7 +276,8 @@ def test_ctx_zstd_corrupt_sections_are_our_error():
                      "ctx-zstd", (2, 1, 2), np.uint8, 200)
     with pytest.raises(ValueError, match="out of range"):
         codec.encode(ids, "ctx-zstd", 8)
-    for shape, e in [((300, 3), 12), ((300, 3, -4), 12), ((300.0, 3, 4), 12), (shape, 0)]:
+    for shape, e in [((300, 3), 10), ((300, 3, -4), 10), ((300.0, 3, 4), 10), ((300, 3, 0), 10),
+                     ((300, True, 4), 10), (shape, 0), (shape, 10.0), (shape, "10")]:
         with pytest.raises(SidecarError, match="shape|num_experts"):
             codec.decode(blob, "ctx-zstd", shape, np.uint8, e)
 

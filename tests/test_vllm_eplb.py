@@ -44,8 +44,10 @@ def test_plugin_refuses_a_bad_destination_and_parses_references(tmp_path):
     from routereplay.errors import RouteReplayError
     with pytest.raises(RouteReplayError, match="does not exist"):
         plugin.install(str(tmp_path / "missing" / "x.rrsc"))
-    with pytest.raises(RouteReplayError, match="ROUTEREPLAY_CODEC='ctx-zst' is not a routing codec"):
+    with pytest.raises(RouteReplayError, match="ROUTEREPLAY_CODEC='ctx-zst': unknown codec"):
         plugin.install(str(tmp_path / "x.rrsc"), codec="ctx-zst")
+    with pytest.raises(RouteReplayError, match="needs column_order='sorted'"):
+        plugin.install(str(tmp_path / "x.rrsc"), codec="ctx-ans-sorted")
     assert plugin.stats() == {}                        # nothing half-installed
     ref = plugin.SidecarRef.make("/data/r.rrsc", "req#7/1")
     assert plugin.SidecarRef.parse(ref) == ("/data/r.rrsc", "req#7/1")

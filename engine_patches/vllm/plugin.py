@@ -99,10 +99,11 @@ class _Streamer:
             RouteReplayError: a local destination whose folder does not exist, or an
                 unknown codec (``ROUTEREPLAY_CODEC``).
         """
-        from routereplay.codec import CODECS
-        if self.codec is not None and self.codec not in CODECS:
-            raise RouteReplayError(f"{ENV_CODEC}={self.codec!r} is not a routing codec; "
-                                   f"known: {', '.join(CODECS)}")
+        from routereplay.sidecar import writer_codec
+        try:
+            writer_codec(self.codec)                # the plugin writes engine column order
+        except ValueError as e:
+            raise RouteReplayError(f"{ENV_CODEC}={self.codec!r}: {e}") from None
         d = self.dest_spec
         if "://" in d:
             return d

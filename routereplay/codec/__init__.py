@@ -62,11 +62,14 @@ def decode(data: bytes, codec: str, shape: tuple[int, int, int], dtype: np.dtype
         SidecarError: unknown codec, a shape that is not three non-negative ints, a
             num_experts below 1 (``ctx-*``), or bytes that do not decode to ``shape``.
     """
-    if len(shape) != 3 or any(not isinstance(n, (int, np.integer)) or n < 0 for n in shape):
-        raise SidecarError(f"routing section shape {tuple(shape)} is not [T, layers, top_k]")
+    if len(shape) != 3 or any(isinstance(n, bool) or not isinstance(n, (int, np.integer))
+                              or n < 0 for n in shape) or shape[2] < 1:
+        raise SidecarError(f"routing section shape {tuple(shape)} is not [T, layers, top_k >= 1]")
     shape = tuple(int(n) for n in shape)
-    if codec.startswith("ctx-") and num_experts is not None and num_experts < 1:
-        raise SidecarError(f"num_experts {num_experts} < 1")
+    if codec.startswith("ctx-") and num_experts is not None and (
+            isinstance(num_experts, bool) or not isinstance(num_experts, (int, np.integer))
+            or num_experts < 1):
+        raise SidecarError(f"num_experts {num_experts!r} is not an int >= 1")
     if codec in ("raw-lm", "zstd-lm"):
         return layer_major.decode(data, codec, shape, dtype)
     if codec.startswith("ctx-") and num_experts is None:

@@ -7,13 +7,17 @@ Per section (ids ``[T, G, K]``), rows in layer-major order:
    A section where that saves less than the bitmap costs (chance repeats) stores every
    row instead (:func:`_store_every_row`).
 2. Stored rows as bytes, per layer, row-major: one byte per id (E <= 256), or two byte
-   planes, low then high (E > 256). For E <= 16 a layer's ids share bytes, two a byte
-   (four for E <= 4), across row boundaries: the Huffman stage then codes pairs, which
-   also learns that a row never repeats an expert, and top-1 routing over few experts
-   is not left with 2-3 bit symbols, where zstd's match finder takes chance matches.
-3. One zstd frame; a block ends after the bitmap and after each layer's bytes, so that
-   each layer gets its own Huffman table (its popular experts). Frames under 32 KiB are
-   also tried as a single block (one table), and the smaller is kept.
+   planes, low then high (E > 256). For E <= 11 and E = 16 a layer's ids share bytes,
+   two a byte (four for E <= 4), across row boundaries: the Huffman stage then codes pairs (with
+   K = 2, whole rows: it learns that a row never repeats an expert), and top-1 routing
+   over few experts is not left with 2-3 bit symbols, where zstd's match finder takes
+   chance matches. (Not for 12-15 experts: their near-uniform pairs have so little
+   Huffman gain over 8 raw bits that zstd stores them raw, 4 bits an id; 16 experts fill
+   the byte exactly.)
+3. One zstd frame (level 9, or 3 for E > 256 where level 9 is slow on the near-constant
+   high bytes); a block ends after the bitmap and after each layer's bytes (each plane),
+   so that each layer gets its own Huffman table (its popular experts). Frames under
+   32 KiB are also tried with all layers in one block (one table); the smaller is kept.
 
 NOTE: the decoder is zstd plus a handful of whole-array numpy operations per section (a
 cumulative sum, a row gather, a transpose; a table lookup for packed ids), which is what
@@ -31,9 +35,10 @@ import zstandard
 from routereplay.codec.layer_major import bounded_zstd_decompress
 from routereplay.errors import SidecarError
 
-LEVEL = 9                       # zstd level
+LEVEL = 9                       # zstd level (E <= 256)
+WIDE_LEVEL = 3                  # zstd level for E > 256: 9 encodes at 20-40 MB/s there
 MIN_MATCH = 7                   # bytes; see _compressor
-SMALL_SECTION = 32768           # bytes: below this the encoder also tries a single block
+SMALL_SECTION = 32768           # bytes: below this the encoder also tries one block for all layers
 ONE_SHOT_LIMIT = 64 << 20       # bytes: a larger declared content is decompressed in steps
 _LUTS: dict = {}
 _LOCAL = threading.local()       # NOTE: zstandard (de)compressor objects are not thread-safe
@@ -48,11 +53,11 @@ def _compressor(level: int) -> zstandard.ZstdCompressor:
     literals they replace: up to 6 % larger sections (E=32 top-4, 1024 tokens) than
     these fixed parameters, at the same speed.
     """
-    key = ("cctx", level)
-    if not hasattr(_LOCAL, "cctx") or _LOCAL.cctx[0] != key:
+    cache = _LOCAL.__dict__.setdefault("cctx", {})
+    if level not in cache:
         params = zstandard.ZstdCompressionParameters.from_level(level, min_match=MIN_MATCH)
-        _LOCAL.cctx = (key, zstandard.ZstdCompressor(compression_params=params))
-    return _LOCAL.cctx[1]
+        cache[level] = zstandard.ZstdCompressor(compression_params=params)
+    return cache[level]
 
 
 def _decompressor() -> zstandard.ZstdDecompressor:
@@ -62,8 +67,10 @@ def _decompressor() -> zstandard.ZstdDecompressor:
 
 
 def pack_width(num_experts: int) -> int:
-    """Ids per stored byte: 4 (E <= 4), 2 (E <= 16), 1 (E <= 256); 0 for E > 256 (two bytes)."""
-    return 4 if num_experts <= 4 else 2 if num_experts <= 16 else 1 if num_experts <= 256 else 0
+    """Ids per stored byte: 4 (E <= 4), 2 (E <= 11 or E = 16), 1 (E <= 256); 0 for E > 256
+    (two bytes)."""
+    e = num_experts
+    return 4 if e <= 4 else 2 if e <= 11 or e == 16 else 1 if e <= 256 else 0
 
 
 def layer_bytes(num_stored: np.ndarray | int, num_experts: int, top_k: int) -> np.ndarray | int:
@@ -130,7 +137,7 @@ def _store_every_row(repeat_fraction: float, num_experts: int, top_k: int) -> bo
     return h2 >= 0.75 * f * top_k * np.log2(max(num_experts, 2))
 
 
-def encode(ids: np.ndarray, num_experts: int, level: int = LEVEL) -> bytes:
+def encode(ids: np.ndarray, num_experts: int, level: int | None = None) -> bytes:
     """ids: uint8|uint16 [T, G, top_k] -> one zstd frame (a ``ctx-zstd`` section).
 
     Rows are stored as given (any column order; a row may even repeat an expert).
@@ -162,18 +169,24 @@ def encode(ids: np.ndarray, num_experts: int, level: int = LEVEL) -> bytes:
             parts += [(ids_g & 0xFF).astype(np.uint8).tobytes(), (ids_g >> 8).astype(np.uint8).tobytes()]
         else:
             parts.append(_pack(ids_g, e).tobytes())
-    cctx = _compressor(level)
-    cobj = cctx.compressobj(size=sum(map(len, parts)))
-    out = b"".join([cobj.compress(p) + cobj.flush(zstandard.COMPRESSOBJ_FLUSH_BLOCK)
-                    for p in parts[:-1]] + [cobj.compress(parts[-1]) + cobj.flush()])
+    cctx = _compressor(level if level is not None else LEVEL if e <= 256 else WIDE_LEVEL)
+    out = _frame(cctx, parts)
     if len(out) < SMALL_SECTION:
         # NOTE: on a short section, or routing without per-layer preferences, a Huffman
-        # table per layer can cost more than it saves (measured up to 1 % at E=128, top-1,
-        # 2048 tokens); try one block too and keep the smaller (readers do not depend on
-        # blocks).
-        one = cctx.compress(b"".join(parts))
+        # table per layer can cost more than it saves (measured 1.5 % at 16 experts, top-1,
+        # 2048 tokens); try the layers as one block too and keep the smaller (readers do not
+        # depend on blocks). The bitmap keeps a block of its own: mixed into the ids' block
+        # it costs more (its bytes enter their Huffman table).
+        one = _frame(cctx, [parts[0], b"".join(parts[1:])])
         out = one if len(one) < len(out) else out
     return out
+
+
+def _frame(cctx: zstandard.ZstdCompressor, parts: list[bytes]) -> bytes:
+    """One zstd frame of ``parts`` (declared content size), a block boundary after each."""
+    cobj = cctx.compressobj(size=sum(map(len, parts)))
+    return b"".join([cobj.compress(p) + cobj.flush(zstandard.COMPRESSOBJ_FLUSH_BLOCK)
+                     for p in parts[:-1]] + [cobj.compress(parts[-1]) + cobj.flush()])
 
 
 def _content(data: bytes, cap: int) -> bytes:
@@ -217,8 +230,8 @@ def decode(data: bytes, shape: tuple[int, int, int], dtype: np.dtype, num_expert
     e = num_experts
     dtype = np.dtype(dtype)
     if dtype != (np.uint8 if e <= 256 else np.uint16):
-        raise SidecarError(f"ctx-zstd stores {e} experts as "
-                           f"{'uint8' if e <= 256 else 'uint16'}, not {dtype.name}")
+        raise SidecarError(f"ctx-zstd stores {e} experts as native "
+                           f"{'uint8' if e <= 256 else 'uint16'}, not {dtype.str}")
     total, per = g * t, pack_width(e)
     nbits = -(-total // 8)
     full = nbits + g * layer_bytes(t, e, k)                          # every row stored
