@@ -4,7 +4,9 @@ A codec works on ``ids: uint8|uint16 [T, L_g, top_k]`` (one group of MoE layers)
 named by a short string stored in each routing section's metadata (docs/FORMAT.md):
 
 - ``ctx-zstd`` (default): per-layer repeat bitmap and id bytes, then zstd with a Huffman
-  table per layer (routereplay.codec.ctx_zstd). Fast: hundreds of MB/s both ways.
+  table per layer (routereplay.codec.ctx_zstd). Measured on one core here: 60-360 MB/s
+  encode, 300-3200 MB/s decode for top-2 and wider on records of 1K+ tokens; top-1 and
+  short records are slower (benchmarks/README.md).
 - ``ctx-ans``: our adaptive context model (repeat flags, popularity ranks with
   exclusion) driving constriction's rANS coder (routereplay.codec.context). 2-5 % below
   ``ctx-zstd`` on most traces (11 % with long repeat runs), at 5-30 MB/s. Column order
