@@ -22,7 +22,8 @@ import sys
 import numpy as np
 import torch
 
-from trainer_hooks.megatron.parallel import ParallelSpec, build_chunks, free_port, init, load_sharded
+from trainer_hooks.megatron.parallel import (ParallelSpec, build_chunks, free_port, init,
+                                             load_sharded, teardown)
 
 os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
 os.environ.setdefault("MASTER_PORT", str(free_port()))
@@ -229,4 +230,5 @@ h.remove()
 res["mtp"] = {"num_mtp_routers": len(rep.mtp_routers),
               "backbone_layers": [lid for _, lid in rep.layers[0]],
               "mtp_layer_number": int(mtp_router.layer_number), **seen}
-print("RESULT " + json.dumps(res))
+print("RESULT " + json.dumps(res), flush=True)
+teardown()
