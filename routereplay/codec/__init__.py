@@ -68,14 +68,14 @@ def decode(data: bytes, codec: str, shape: tuple[int, int, int], dtype: np.dtype
                               or n < 0 for n in shape) or shape[2] < 1:
         raise SidecarError(f"routing section shape {tuple(shape)} is not [T, layers, top_k >= 1]")
     shape = tuple(int(n) for n in shape)
-    if codec.startswith("ctx-") and num_experts is not None and (
-            isinstance(num_experts, bool) or not isinstance(num_experts, (int, np.integer))
-            or num_experts < 1):
-        raise SidecarError(f"num_experts {num_experts!r} is not an int >= 1")
+    if codec.startswith("ctx-"):
+        if num_experts is None:
+            raise SidecarError(f"codec {codec!r} needs num_experts")
+        if isinstance(num_experts, bool) or not isinstance(num_experts, (int, np.integer)) \
+                or num_experts < 1:
+            raise SidecarError(f"num_experts {num_experts!r} is not an int >= 1")
     if codec in ("raw-lm", "zstd-lm"):
         return layer_major.decode(data, codec, shape, dtype)
-    if codec.startswith("ctx-") and num_experts is None:
-        raise SidecarError(f"codec {codec!r} needs num_experts")
     if codec == "ctx-zstd":
         return ctx_zstd.decode(data, shape, dtype, num_experts)
     if codec in ("ctx-ans", "ctx-ans-sorted"):
