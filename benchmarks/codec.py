@@ -41,7 +41,7 @@ from routereplay import codec, wire  # noqa: E402
 from routereplay.record import RoutingRecord  # noqa: E402
 from routereplay.schema import RoutingSchema  # noqa: E402
 from routereplay.sidecar import SidecarReader, write_records  # noqa: E402
-from routereplay.synthetic import routing_trace  # noqa: E402
+from routereplay.testing import routing_trace  # noqa: E402
 
 GROUP = 4
 

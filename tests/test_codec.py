@@ -13,7 +13,7 @@ from routereplay.errors import SidecarError
 from routereplay.record import RoutingRecord, WeightVersionSpan
 from routereplay.schema import RoutingSchema
 from routereplay.sidecar import SidecarReader, write_records
-from routereplay.synthetic import routing_trace
+from routereplay.testing import routing_trace
 from tests import spec_reader
 
 

@@ -8,7 +8,7 @@ named by a short string stored in each routing section's metadata (docs/FORMAT.m
   encode, 300-3200 MB/s decode for top-2 and wider on records of 1K+ tokens; top-1 and
   short records are slower (benchmarks/README.md).
 - ``ctx-ans``: our adaptive context model (repeat flags, popularity ranks with
-  exclusion) driving constriction's rANS coder (routereplay.codec.context). 2-5 % below
+  exclusion) driving constriction's rANS coder (routereplay.codec.ctx_ans). 2-5 % below
   ``ctx-zstd`` on most traces (11 % with long repeat runs), at 5-30 MB/s. Column order
   preserved.
 - ``ctx-ans-sorted``: ``ctx-ans`` for streams declared ``column_order: "sorted"`` (the
@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from routereplay.codec import context, ctx_zstd, layer_major
+from routereplay.codec import ctx_ans, ctx_zstd, layer_major
 from routereplay.codec.layer_major import bounded_zstd_decompress
 from routereplay.errors import SidecarError
 
@@ -50,7 +50,7 @@ def encode(ids: np.ndarray, codec: str = DEFAULT_CODEC, num_experts: int | None 
     if codec == "ctx-zstd":
         return ctx_zstd.encode(ids, num_experts)
     if codec in ("ctx-ans", "ctx-ans-sorted"):
-        return context.encode(ids, num_experts, sorted_rows=codec == "ctx-ans-sorted")
+        return ctx_ans.encode(ids, num_experts, sorted_rows=codec == "ctx-ans-sorted")
     raise ValueError(f"unknown codec {codec!r}; known: {CODECS}")
 
 
@@ -79,5 +79,5 @@ def decode(data: bytes, codec: str, shape: tuple[int, int, int], dtype: np.dtype
     if codec == "ctx-zstd":
         return ctx_zstd.decode(data, shape, dtype, num_experts)
     if codec in ("ctx-ans", "ctx-ans-sorted"):
-        return context.decode(data, shape, dtype, num_experts, sorted_rows=codec == "ctx-ans-sorted")
+        return ctx_ans.decode(data, shape, dtype, num_experts, sorted_rows=codec == "ctx-ans-sorted")
     raise SidecarError(f"unknown routing codec {codec!r}; known: {CODECS}")

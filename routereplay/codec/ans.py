@@ -1,6 +1,6 @@
 """Exact static categorical models on constriction's rANS stack (docs/FORMAT.md "ANS").
 
-Our context model (routereplay.codec.context) hands out integer weights; this module turns
+Our context model (routereplay.codec.ctx_ans) hands out integer weights; this module turns
 them into frequencies that sum to 2**PRECISION, in integer arithmetic only, so an
 independent decoder reproduces every model bit for bit. The entropy coder itself is
 constriction's ``AnsCoder`` (32-bit words, 64-bit state, precision 24), whose decoding

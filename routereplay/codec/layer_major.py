@@ -3,7 +3,7 @@
 Transpose ``ids [T, L_g, top_k]`` to layer-major ``[L_g, T, top_k]`` (so each layer's
 token-to-token repetition sits together) and store it raw or as one zstd frame. Kept as the
 fast general-purpose fallback and to read streams written with them; ``ctx-ans``
-(routereplay.codec.context) is smaller.
+(routereplay.codec.ctx_ans) is smaller.
 """
 from __future__ import annotations
 
