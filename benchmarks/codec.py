@@ -144,9 +144,9 @@ def tiny_trace(args):
             print("\n(tiny-model trace skipped: vLLM is not installed; pass --trace SIDECAR)")
             return None
         import json
-        from engine_patches.vllm.triton_cpu import engine_env
-        from routereplay.demo.run import _run_stage
-        from routereplay.demo.tiny_model import demo_prompts, ensure_tiny_model
+        from engine_patches.vllm.harness.triton_cpu import engine_env
+        from routereplay.cli.demo.run import _run_stage
+        from routereplay.cli.demo.tiny_model import demo_prompts, ensure_tiny_model
         work = tempfile.mkdtemp(prefix="routereplay-bench-")
         path = os.path.join(work, "rollout.rrsc")
         with open(os.path.join(work, "prompts.json"), "w") as f:
@@ -154,13 +154,13 @@ def tiny_trace(args):
         print(f"(running a 32 x 128-token vLLM rollout of the tiny model into {path} ...)",
               flush=True)
         _run_stage("vLLM rollout", [
-            sys.executable, "-m", "engine_patches.vllm.rollout", "--model", ensure_tiny_model(),
+            sys.executable, "-m", "engine_patches.vllm.harness.rollout", "--model", ensure_tiny_model(),
             "--prompts", os.path.join(work, "prompts.json"), "--sidecar", path,
             "--summary", os.path.join(work, "summary.json"), "--dtype", "bfloat16",
             "--max-tokens", "128", "--seed", "0"], engine_env(), 1200,
             os.path.join(work, "rollout.log"))
     with SidecarReader(path) as r:
-        recs = [x.ids for x in r.records(arrays=False)]
+        recs = [x.expert_ids for x in r.records(arrays=False)]
         return r.schema, recs
 
 

@@ -48,7 +48,7 @@ def make_sidecar(path: str, model: str, samples: int, tokens: int, seed: int = 0
         ids, _ = routing_trace(rng, n - 1, schema.num_moe_layers, schema.num_experts,
                                schema.top_k, repeat=0.3, skew=0.8)
         p = n // 2
-        recs.append(RoutingRecord(sample_id=f"s{i}", ids=ids.astype(schema.id_dtype), prompt_len=p,
+        recs.append(RoutingRecord(sample_id=f"s{i}", expert_ids=ids.astype(schema.id_dtype), prompt_len=p,
                                   token_ids=rng.integers(3, 500, n).astype(np.int32),
                                   logprobs=-rng.random(n - p).astype(np.float32)))
         rows += n - 1
@@ -62,7 +62,7 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=256)
     ap.add_argument("--mbs", type=int, default=2, help="micro-batch size")
     a = ap.parse_args()
-    from routereplay.demo.tiny_model import ensure_tiny_model
+    from routereplay.cli.demo.tiny_model import ensure_tiny_model
     model = ensure_tiny_model()
     schema = RoutingSchema.from_hf_config(model)
     tmp = tempfile.mkdtemp(prefix="rr-mem-")

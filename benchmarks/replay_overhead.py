@@ -100,7 +100,7 @@ def bench(rank: int, a: argparse.Namespace) -> None:
     replayer.on_used = on_used
     step(True, None)
     replayer.on_used = None
-    records = [RoutingRecord(sample_id=k, ids=v) for k, v in rec.items()]
+    records = [RoutingRecord(sample_id=k, expert_ids=v) for k, v in rec.items()]
     buf = io.BytesIO(write_records(None, schema, records, background=False).getvalue())
     reader = SidecarReader(buf)
     mem = {r.sample_id: r for r in records}

@@ -25,7 +25,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from engine_patches.vllm import triton_cpu  # noqa: E402
+from engine_patches.vllm.harness import triton_cpu  # noqa: E402
 
 triton_cpu.install()
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
@@ -36,7 +36,7 @@ def measure(capture: bool, a: argparse.Namespace) -> dict[str, list[float]]:
     from vllm import LLM, SamplingParams
 
     from engine_patches.vllm import plugin
-    from routereplay.demo.tiny_model import demo_prompts, ensure_tiny_model
+    from routereplay.cli.demo.tiny_model import demo_prompts, ensure_tiny_model
     from routereplay.schema import RoutingSchema
     from routereplay.sidecar import SidecarReader
     model = ensure_tiny_model()

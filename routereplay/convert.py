@@ -96,7 +96,7 @@ def to_record(sample_id: str, arr: np.ndarray, schema: RoutingSchema, *,
         nl = arr.shape[1] if isinstance(arr, np.ndarray) and arr.ndim == 3 else None
         full_layout = nl == schema.num_hidden_layers and nl != schema.num_moe_layers
     rec = RoutingRecord(sample_id=sample_id,
-                        ids=checked_moe_ids(arr, schema, sample_id, full_layout=full_layout))
+                        expert_ids=checked_moe_ids(arr, schema, sample_id, full_layout=full_layout))
     rec.validate(schema)
     return rec
 

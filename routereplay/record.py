@@ -31,14 +31,18 @@ class WeightVersionSpan:
     end: int
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(init=False)
 class RoutingRecord:
     """Routing of one sample plus what is needed to replay and validate it.
 
+    Shapes follow the legend in :mod:`routereplay` (T rows, L_moe MoE layers, K = top_k).
+
     Attributes:
-        sample_id: caller's id of the sample (request id); unique within a stream.
-        ids: uint8 or uint16 [T, L_moe, top_k], logical expert ids, engine column order;
-            dense layers already stripped (see RoutingSchema.strip_dense).
+        sample_id: the caller's id of the sample (the RL framework's uid, or the engine's
+            request id); unique within a stream.
+        expert_ids: uint8 or uint16 [T, L_moe, K], logical expert ids, engine column order;
+            dense layers already stripped (see RoutingSchema.strip_dense). ``ids`` is an
+            alias kept for one release.
         start: token position of row 0 (vLLM ``routed_experts_prompt_start``).
         prompt_len: number of prompt tokens, or None if unknown.
         token_ids: optional int32 [N], the full sequence (prompt + generated tokens).
@@ -51,7 +55,7 @@ class RoutingRecord:
     """
 
     sample_id: str
-    ids: np.ndarray
+    expert_ids: np.ndarray
     start: int = 0
     prompt_len: int | None = None
     token_ids: np.ndarray | None = None
@@ -61,10 +65,43 @@ class RoutingRecord:
     prefix_cached: list[tuple[int, int]] = dataclasses.field(default_factory=list)
     engine: str = ""
 
+    def __init__(self, sample_id: str, expert_ids: np.ndarray | None = None, start: int = 0,
+                 prompt_len: int | None = None, token_ids: np.ndarray | None = None,
+                 logprobs: np.ndarray | None = None,
+                 weight_versions: list[WeightVersionSpan] | None = None,
+                 recomputed: list[tuple[int, int]] | None = None,
+                 prefix_cached: list[tuple[int, int]] | None = None, engine: str = "", *,
+                 ids: np.ndarray | None = None):
+        # NOTE: ``ids=`` is the pre-0.2 name; when both are given (dataclasses.replace(r,
+        # ids=x) passes the old expert_ids too), ``ids`` wins.
+        if ids is not None:
+            expert_ids = ids
+        if expert_ids is None:
+            raise RecordError(f"sample {sample_id!r}: no expert_ids given")
+        self.sample_id = sample_id
+        self.expert_ids = expert_ids
+        self.start = start
+        self.prompt_len = prompt_len
+        self.token_ids = token_ids
+        self.logprobs = logprobs
+        self.weight_versions = [] if weight_versions is None else weight_versions
+        self.recomputed = [] if recomputed is None else recomputed
+        self.prefix_cached = [] if prefix_cached is None else prefix_cached
+        self.engine = engine
+
+    @property
+    def ids(self) -> np.ndarray:
+        """Alias of :attr:`expert_ids` (kept for one release)."""
+        return self.expert_ids
+
+    @ids.setter
+    def ids(self, value: np.ndarray) -> None:
+        self.expert_ids = value
+
     @property
     def num_tokens(self) -> int:
         """T, the number of routing rows."""
-        return int(self.ids.shape[0])
+        return int(self.expert_ids.shape[0])
 
     def validate(self, schema: RoutingSchema) -> None:
         """Check field types, shape, dtype, id range, duplicate ids and row count.
@@ -87,9 +124,9 @@ class RoutingRecord:
             raise RecordError(f"sample {sid!r}: negative start {self.start}")
         if self.token_ids is not None:
             n = len(self.token_ids)
-            if self.ids.shape[0] != n - 1 - self.start:
+            if self.expert_ids.shape[0] != n - 1 - self.start:
                 raise RecordError(
-                    f"sample {sid!r}: {self.ids.shape[0]} routing rows but {n} tokens with "
+                    f"sample {sid!r}: {self.expert_ids.shape[0]} routing rows but {n} tokens with "
                     f"start={self.start}: expected N - 1 - start = {n - 1 - self.start} rows")
             if self.prompt_len is not None and not (0 < self.prompt_len <= n):
                 raise RecordError(f"sample {sid!r}: prompt_len {self.prompt_len} outside [1, {n}]")
@@ -130,7 +167,7 @@ class RoutingRecord:
             RecordError: naming the sample, token position and decoder layer.
         """
         sid = self.sample_id
-        ids = self.ids
+        ids = self.expert_ids
         layer_ids = list(schema.moe_layer_ids if layer_ids is None else layer_ids)
         if not isinstance(ids, np.ndarray) or ids.ndim != 3:
             raise RecordError(f"sample {sid!r}: ids must be an array [T, L_moe, top_k], "

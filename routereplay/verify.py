@@ -40,15 +40,15 @@ def summarize(records: Sequence[RoutingRecord],
             resp = rows >= p
             ua = np.asarray(u)[rows]
             deltas.append(d)
-            eng.append(r.ids)
+            eng.append(r.expert_ids)
             used.append(ua)
             is_resp.append(resp)
-            ag = metrics.routing_agreement(r.ids, ua)
+            ag = metrics.routing_agreement(r.expert_ids, ua)
             per_sample.append({
                 "sample_id": r.sample_id, **metrics.logprob_metrics(d),
                 "routing_agreement": ag["routing_agreement"],
-                "routing_agreement_prompt": metrics.routing_agreement(r.ids, ua, ~resp)["routing_agreement"],
-                "routing_agreement_response": metrics.routing_agreement(r.ids, ua, resp)["routing_agreement"]})
+                "routing_agreement_prompt": metrics.routing_agreement(r.expert_ids, ua, ~resp)["routing_agreement"],
+                "routing_agreement_response": metrics.routing_agreement(r.expert_ids, ua, resp)["routing_agreement"]})
         e, u, m = np.concatenate(eng), np.concatenate(used), np.concatenate(is_resp)
         res = metrics.logprob_metrics(np.concatenate(deltas))
         res.update(metrics.routing_agreement(e, u))

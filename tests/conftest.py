@@ -29,7 +29,7 @@ def random_record(schema: RoutingSchema, sample_id: str, n_tokens: int, seed: in
     ids = ids[..., :schema.top_k].astype(schema.id_dtype)
     p = prompt_len if prompt_len is not None else max(1, n_tokens // 2)
     return RoutingRecord(
-        sample_id=sample_id, ids=ids, prompt_len=p,
+        sample_id=sample_id, expert_ids=ids, prompt_len=p,
         token_ids=rng.integers(0, 500, n_tokens).astype(np.int32) if with_arrays else None,
         logprobs=(-rng.random(n_tokens - p).astype(np.float32)) if with_arrays else None,
         weight_versions=[WeightVersionSpan("v0", 0, n_tokens)], engine="test")
@@ -39,7 +39,7 @@ def random_record(schema: RoutingSchema, sample_id: str, n_tokens: int, seed: in
 def tiny_model() -> str:
     """The built-in tiny Qwen3-MoE, built once per machine (cached)."""
     pytest.importorskip("transformers", reason="needs the engine extra")
-    from routereplay.demo.tiny_model import ensure_tiny_model
+    from routereplay.cli.demo.tiny_model import ensure_tiny_model
     return ensure_tiny_model()
 
 

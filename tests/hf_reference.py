@@ -27,7 +27,7 @@ def hf_records(model_dir: str, seqs: list[list[int]], prompt_len: int, start: in
             assert len(rl) == schema.num_moe_layers
             topk = np.stack([torch.topk(r.float(), schema.top_k, -1).indices.numpy() for r in rl], 1)
             recs.append(RoutingRecord(
-                sample_id=f"{prefix}{i}", ids=topk[start:len(ids) - 1].astype(schema.id_dtype),
+                sample_id=f"{prefix}{i}", expert_ids=topk[start:len(ids) - 1].astype(schema.id_dtype),
                 start=start, prompt_len=prompt_len, token_ids=np.asarray(ids, np.int32),
                 logprobs=lp[prompt_len - 1:].numpy().astype(np.float32),
                 weight_versions=[WeightVersionSpan("v0", 0, len(ids))], engine="hf"))

@@ -98,7 +98,7 @@ used, _, st = forward(model, rep, reader)
 ok_cov, ok_fb, differs, fb_rows = True, True, 0, 0
 for j, r in enumerate(records):
     cov = used[j, r.start:r.start + r.num_tokens]
-    ok_cov &= bool((cov == r.ids.astype(np.int64)).all())
+    ok_cov &= bool((cov == r.expert_ids.astype(np.int64)).all())
     differs += int((np.sort(own[j, r.start:r.start + r.num_tokens], -1)
                     != np.sort(cov, -1)).any(-1).sum())
     # NOTE: positions before start precede every replayed row, so the model's own routing
@@ -120,7 +120,7 @@ k, e = schema.top_k, schema.num_experts
 dummy_ok = all((used_d[j, p, li] == (np.arange(k) + (p * b + j) * k) % e).all()
                for j, r in enumerate(records) for p in range(r.start) for li in range(3))
 res["dummy"] = {"fallback_rows_are_dummy": bool(dummy_ok),"covered_equal": bool((used_d[0, r0.start:r0.start + r0.num_tokens]
-                                       == r0.ids.astype(np.int64)).all()),
+                                       == r0.expert_ids.astype(np.int64)).all()),
                 "fallback_equal_own": bool((used_d[0, :r0.start] == own[0, :r0.start]).all()),
                 "duplicate_rows": int((srt[..., 1:] == srt[..., :-1]).any(-1).sum())}
 
@@ -133,10 +133,10 @@ for j, r in enumerate(records):
     for p in range(r.start, r.start + r.num_tokens):
         for li in range(schema.num_moe_layers):
             got = set(np.flatnonzero(maps[j, p, li]).tolist())
-            subset &= got <= set(r.ids[p - r.start, li].tolist())
+            subset &= got <= set(r.expert_ids[p - r.start, li].tolist())
 res["capacity"] = {"dropped_assignments": st.dropped_assignments, "map_subset_of_replayed": subset,
                    "replayed_selected": bool(all((used[j, r.start:r.start + r.num_tokens]
-                                                  == r.ids.astype(np.int64)).all()
+                                                  == r.expert_ids.astype(np.int64)).all()
                                                  for j, r in enumerate(records)))}
 
 # -- refused configs -----------------------------------------------------------------------
@@ -159,10 +159,10 @@ res["refused"] = refused
 # -- bad ids, call outside microbatch --------------------------------------------------------
 cfg, model = build()
 rep = RouterReplayer(model, schema)
-bad_ids = records[1].ids.copy()
+bad_ids = records[1].expert_ids.copy()
 bad_ids[4, 2, 1] = bad_ids[4, 2, 0]
 bad = {r.sample_id: r for r in records}
-bad[records[1].sample_id] = dataclasses.replace(records[1], ids=bad_ids)
+bad[records[1].sample_id] = dataclasses.replace(records[1], expert_ids=bad_ids)
 try:
     forward(model, rep, bad)
     res["bad_ids"] = "accepted"

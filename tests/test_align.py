@@ -16,8 +16,8 @@ def _fetch_from(records, layers):
         r = records[j]
         a, b = max(lo, r.start), min(hi, r.start + r.num_tokens)
         if b <= a:
-            return np.zeros((0, len(layers), r.ids.shape[2]), r.ids.dtype), lo
-        return r.ids[a - r.start:b - r.start][:, layers], a
+            return np.zeros((0, len(layers), r.expert_ids.shape[2]), r.expert_ids.dtype), lo
+        return r.expert_ids[a - r.start:b - r.start][:, layers], a
     return fetch
 
 
@@ -35,7 +35,7 @@ def test_right_and_left_padding_rows_are_s_major(schema):
                 row = ids[c * 2 + j]                   # megatron: [s, b] flattened s-major
                 p = c - a
                 if 0 <= p < r.num_tokens:              # record rows: positions 0..n-2
-                    assert (row == r.ids[p]).all()
+                    assert (row == r.expert_ids[p]).all()
                     assert tm.sample[c * 2 + j] == j and tm.position[c * 2 + j] == p
                 else:
                     assert (row == align.MISSING).all()
@@ -44,15 +44,15 @@ def test_right_and_left_padding_rows_are_s_major(schema):
 def test_packed_rows_and_start_offset(schema):
     r0 = random_record(schema, "a", 5, 1)
     r1 = random_record(schema, "b", 7, 2)
-    r1 = RoutingRecord(sample_id="b", ids=r1.ids[3:], start=3)   # prompt rows 0..2 skipped
+    r1 = RoutingRecord(sample_id="b", expert_ids=r1.expert_ids[3:], start=3)   # prompt rows 0..2 skipped
     lay = align.Layout.packed_from_lengths([5, 7], multiple=4)
     assert lay.cu_seqlens_padded == (0, 8, 16)
     tm = align.token_map(lay)
     ids = align.gather_rows(tm, _fetch_from([r0, r1], [2]), 1, 4)
-    assert (ids[0:4, 0] == r0.ids[:, 2]).all()
+    assert (ids[0:4, 0] == r0.expert_ids[:, 2]).all()
     assert (ids[4:8] == align.MISSING).all()           # last token of a + segment padding
     assert (ids[8:11] == align.MISSING).all()          # positions 0..2 of b: no routing
-    assert (ids[11:14, 0] == r1.ids[:, 2]).all()       # positions 3..5
+    assert (ids[11:14, 0] == r1.expert_ids[:, 2]).all()       # positions 3..5
     assert (ids[14:16] == align.MISSING).all()
     assert align.coverage(ids, tm) == (4 + 3, 12)
 

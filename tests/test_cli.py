@@ -45,8 +45,8 @@ def _engine_arrays(schema, n, seed):
     for i in range(n):
         rec = random_record(schema, f"s{i}", 10 + 7 * i, seed + i)
         full = np.zeros((rec.num_tokens, schema.num_hidden_layers, schema.top_k), schema.id_dtype)
-        full[:, list(schema.moe_layer_ids)] = rec.ids
-        out[f"s{i}"] = (rec.ids, full)
+        full[:, list(schema.moe_layer_ids)] = rec.expert_ids
+        out[f"s{i}"] = (rec.expert_ids, full)
     return out
 
 
@@ -104,7 +104,7 @@ def test_convert_wire_formats(tmp_path, schema):
         r = SidecarReader(str(out))
         assert sorted(r.sample_ids()) == sorted(want)
         for sid, src_id in want.items():
-            np.testing.assert_array_equal(r.read(sid).ids, arrs[src_id][0])
+            np.testing.assert_array_equal(r.read(sid).expert_ids, arrs[src_id][0])
 
 
 def test_convert_bad_input_names_sample_token_layer_and_keeps_earlier(tmp_path, schema):

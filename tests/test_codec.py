@@ -135,7 +135,7 @@ def test_independent_reader_decodes_what_we_write():
             ids, _ = routing_trace(rng, t, 6, e, k, 0.6)
             n = t + 1 + i
             recs.append(RoutingRecord(
-                sample_id=f"s{i}", ids=ids.astype(schema.id_dtype), start=i, prompt_len=n // 2,
+                sample_id=f"s{i}", expert_ids=ids.astype(schema.id_dtype), start=i, prompt_len=n // 2,
                 token_ids=rng.integers(0, 1000, n).astype(np.int32),
                 logprobs=-rng.random(n - n // 2).astype(np.float32),
                 weight_versions=[WeightVersionSpan("w1", 0, n)] if i else []))
@@ -147,15 +147,15 @@ def test_independent_reader_decodes_what_we_write():
             "ctx-zstd" if order == "engine" else "ctx-ans-sorted"))
         assert [r["sample_id"] for r in got] == ["s0", "s1", "s2", "s3"]
         for rec, g in zip(recs, got):
-            want = np.sort(rec.ids, -1) if order == "sorted" else rec.ids
+            want = np.sort(rec.expert_ids, -1) if order == "sorted" else rec.expert_ids
             assert g["routing"] == want.tolist()
             assert g["token_ids"] == rec.token_ids.tolist() and g["start"] == rec.start
             np.testing.assert_array_equal(np.float32(g["logprobs"]), rec.logprobs)
             assert g["weight_versions"] == [[s.version, s.start, s.end] for s in rec.weight_versions]
         # and our own reader agrees
         r = SidecarReader(data)
-        np.testing.assert_array_equal(r.read("s2").ids, np.sort(recs[2].ids, -1)
-                                      if order == "sorted" else recs[2].ids)
+        np.testing.assert_array_equal(r.read("s2").expert_ids, np.sort(recs[2].expert_ids, -1)
+                                      if order == "sorted" else recs[2].expert_ids)
 
 
 def test_independent_reader_reads_version_1():

@@ -62,7 +62,7 @@ def _check_codec_on_captured_routing(sidecar):
     from routereplay.sidecar import SidecarReader
     with SidecarReader(sidecar) as r:
         assert r.header["codec"] == "ctx-zstd"
-        recs = [x.ids for x in r.records(arrays=False)]
+        recs = [x.expert_ids for x in r.records(arrays=False)]
         e = r.schema.num_experts
     size = {"ctx-zstd": 0, "ctx-ans": 0}
     z19 = 0

@@ -34,7 +34,7 @@ def test_replay_of_own_routing_changes_nothing(qwen):
         lp0, used0 = token_logprobs(m, ids, schema)
         lp1, used1 = token_logprobs(m, ids, schema, record=rec)
     np.testing.assert_array_equal(lp0, lp1)
-    np.testing.assert_array_equal(used1[:-1], rec.ids)
+    np.testing.assert_array_equal(used1[:-1], rec.expert_ids)
 
 
 def test_perturbed_router_follows_the_record_and_keeps_gradients(qwen):
@@ -48,14 +48,14 @@ def test_perturbed_router_follows_the_record_and_keeps_gradients(qwen):
             for r in moe_routers(m):
                 r.weight.add_(torch.randn(r.weight.shape, generator=g) * 0.1)
             _, own = token_logprobs(m, ids, schema)
-        assert (own[5:-1] != rec.ids).any()                         # the router changed its mind
+        assert (own[5:-1] != rec.expert_ids).any()                         # the router changed its mind
         m.zero_grad(set_to_none=True)
         x = torch.as_tensor(ids)[None]
         with hf_replay(m, replay_ids(rec, schema, len(ids))) as used:
             lp = torch.log_softmax(m(x).logits[0, :-1], -1).gather(-1, x[0, 1:, None]).sum()
             (-lp).backward()
         used = torch.stack(used, 1).numpy()
-        np.testing.assert_array_equal(used[5:-1], rec.ids)          # recorded experts, in order
+        np.testing.assert_array_equal(used[5:-1], rec.expert_ids)          # recorded experts, in order
         np.testing.assert_array_equal(used[:5], own[:5])            # rows without routing: own
         assert all(r.weight.grad is not None and r.weight.grad.norm() > 0 for r in moe_routers(m))
     finally:

@@ -103,7 +103,7 @@ def test_schema_mismatch_is_a_clear_error(tiny_model, hf_sidecar, tmp_path):
 def test_row_count_mismatch_names_sample(tiny_model, hf_sidecar, tmp_path):
     _, schema, recs = hf_sidecar
     import dataclasses
-    bad = dataclasses.replace(recs[1], ids=recs[1].ids[:-2], start=0)
+    bad = dataclasses.replace(recs[1], expert_ids=recs[1].expert_ids[:-2], start=0)
     sc = tmp_path / "short.rrsc"
     # written with the arrays only (validation would refuse it), like a foreign writer
     from routereplay import sidecar as s

@@ -29,7 +29,7 @@ def rollouts(tiny_model, tmp_path_factory):
     rolled_routers(tiny_model, str(d / "v2"))                               # new routing
     checkpoint_variant(tiny_model, str(d / "tie"),
                        lambda k, v: _ties(v) if k.endswith("mlp.gate.weight") else v)
-    from engine_patches.vllm.triton_cpu import engine_env
+    from engine_patches.vllm.harness.triton_cpu import engine_env
     env = engine_env()
     env["ROUTEREPLAY_SIDECAR"] = str(d / "plugin-async.rrsc")     # the plugin, with AsyncLLM
     p = run_py([os.path.join(REPO, "tests", "vllm_mixed_versions.py"), "--model", tiny_model,
@@ -61,7 +61,7 @@ def test_keep_mode_update_replayed_against_the_right_versions(tiny_model, rollou
             m = _hf(path)
             for replay in (False, True):
                 lp, used = token_logprobs(m, rec.token_ids, schema, rec if replay else None)
-                same = (np.sort(used[:-1], -1) == np.sort(rec.ids, -1)).all(-1)
+                same = (np.sort(used[:-1], -1) == np.sort(rec.expert_ids, -1)).all(-1)
                 res[name, replay] = (np.abs(lp[p - 1:] - rec.logprobs), same)
     # rows before the switch are v1's routing, rows after it v2's (HF recompute, no replay)
     assert res["v1", False][1][:s].all() and res["v2", False][1][s:].mean() > 0.99
@@ -106,13 +106,13 @@ def test_weight_sync_keep_abort_wait_on_async_engine(tiny_model, rollouts):
                                 ("after-wait", str(rollouts / "v2"), "v4")):
         r = recs[sid]
         _, (h,) = hf_records(model, [r.token_ids.tolist()], prompt_len=1)
-        assert np.array_equal(np.sort(r.ids, -1), np.sort(h.ids, -1)), sid
+        assert np.array_equal(np.sort(r.expert_ids, -1), np.sort(h.expert_ids, -1)), sid
         assert {s.version for s in r.weight_versions} == {version}, sid
     st = res["plugin"]
     assert st["written"] == 7 and st["aborted"] == 0 and st["missing"] == 0
     plug = {r.sample_id: r for r in SidecarReader(st["path"]).records()}
     for sid, r in recs.items():
-        assert np.array_equal(plug[sid].ids, r.ids) and plug[sid].weight_versions == r.weight_versions
+        assert np.array_equal(plug[sid].expert_ids, r.expert_ids) and plug[sid].weight_versions == r.weight_versions
 
 
 def test_exact_ties_same_expert_counts_in_forward_and_recompute(rollouts):
@@ -122,7 +122,7 @@ def test_exact_ties_same_expert_counts_in_forward_and_recompute(rollouts):
     schema, recs = r.schema, list(r.records())
     m = _hf(str(rollouts / "tie"))
     e = schema.num_experts
-    eng = np.concatenate([x.ids for x in recs]).astype(np.int64)
+    eng = np.concatenate([x.expert_ids for x in recs]).astype(np.int64)
     assert np.isin(eng, [0, 1, 4, 5]).any(-1).mean() > 0.2      # ties are really in play
 
     def counts(a):

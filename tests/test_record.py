@@ -12,22 +12,22 @@ def test_valid_record_passes(schema):
 
 def test_out_of_range_names_sample_token_layer(schema):
     r = random_record(schema, "s7", 20, 1)
-    r.ids[5, 2, 1] = 16
-    r.ids[5, 2, 0] = 3 if r.ids[5, 2, 1] != 3 else 4
+    r.expert_ids[5, 2, 1] = 16
+    r.expert_ids[5, 2, 0] = 3 if r.expert_ids[5, 2, 1] != 3 else 4
     with pytest.raises(RecordError, match=r"sample 's7', token 5, layer 3: expert id 16"):
         r.validate(schema)
 
 
 def test_duplicate_ids_and_all_zero_hint(schema):
     r = random_record(schema, "z", 10, 2)
-    r.ids[3, 0] = 0
+    r.expert_ids[3, 0] = 0
     with pytest.raises(RecordError, match=r"token 3, layer 1: duplicate .*capturer was never bound"):
         r.validate(schema)
 
 
 def test_row_count_must_match_tokens(schema):
     r = random_record(schema, "n", 10, 3)
-    r.ids = r.ids[:-1]
+    r.expert_ids = r.expert_ids[:-1]
     with pytest.raises(RecordError, match=r"sample 'n': 8 routing rows but 10 tokens"):
         r.validate(schema)
 
@@ -41,14 +41,14 @@ def test_logprob_count(schema):
 
 def test_wrong_layer_axis(schema):
     r = random_record(schema, "w", 10, 5)
-    r.ids = np.concatenate([np.zeros_like(r.ids[:, :1]), r.ids], 1)   # dense layer kept
+    r.expert_ids = np.concatenate([np.zeros_like(r.expert_ids[:, :1]), r.expert_ids], 1)   # dense layer kept
     with pytest.raises(RecordError, match="does not match the schema"):
         r.validate(schema)
 
 
 def test_vllm_weight_version_spans_map_to_rows():
     pytest.importorskip("vllm", reason="engine extra")
-    from routereplay.versions import output_spans_to_rows
+    from routereplay.weight_versions import output_spans_to_rows
     # P=3, G=4: rows are token positions 0..5; output token i comes from row P+i-1
     spans = output_spans_to_rows([("v1", 0, 2), ("v2", 2, 4)], prompt_len=3)
     assert [(s.version, s.start, s.end) for s in spans] == [("v1", 0, 4), ("v2", 4, 6)]
@@ -74,16 +74,16 @@ def test_vllm_ids_checked_before_narrowing(schema):
 
 def test_merge_segments_earlier_wins_and_flags_disagreement(schema):
     from routereplay.record import RoutingRecord, WeightVersionSpan
-    from routereplay.segments import merge_segments
+    from routereplay.multi_turn import merge_segments
     from tests.conftest import random_record
-    full = random_record(schema, "c", 31, 0).ids                    # 30 rows
+    full = random_record(schema, "c", 31, 0).expert_ids                    # 30 rows
     a = RoutingRecord("t1", full[:12].copy(), weight_versions=[WeightVersionSpan("v1", 0, 12)])
     later = full[8:].copy()
     later[1] = later[1][:, ::-1]                                     # position 9 recomputed differently
     b = RoutingRecord("t2", later, start=8, weight_versions=[WeightVersionSpan("v2", 8, 30)],
                       prefix_cached=[(0, 8)])
     m = merge_segments([b, a], "conv")
-    np.testing.assert_array_equal(m.ids, full)                       # earlier turn's rows kept
+    np.testing.assert_array_equal(m.expert_ids, full)                       # earlier turn's rows kept
     assert m.recomputed == [(9, 10)]
     assert [(s.version, s.start, s.end) for s in m.weight_versions] == [("v1", 0, 12), ("v2", 12, 30)]
     assert m.prefix_cached == []                                     # t2's cached span lies in t1's rows

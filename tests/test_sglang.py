@@ -15,7 +15,7 @@ from engine_patches.sglang.weight_sync import (FromDisk, FromDistributed, FromTe
                                                SGLangWeightSync, WeightSyncError)
 from routereplay.errors import RecordError
 from routereplay.schema import RoutingSchema
-from routereplay.segments import merge_segments
+from routereplay.multi_turn import merge_segments
 from routereplay.sidecar import SidecarReader, SidecarWriter
 from tests.conftest import run_py
 
@@ -41,16 +41,16 @@ def test_records_match_the_routing_the_model_used(name):
     start = c["request"].get("routed_experts_start_len", 0)
     rec = record_from_response(c["response"], SCHEMA)            # start_len inferred
     assert rec.start == start
-    np.testing.assert_array_equal(rec.ids, _truth(name, start))
-    assert rec.ids.dtype == np.uint8 and rec.ids.shape[1] == 3   # dense layer 0 stripped
-    np.testing.assert_array_equal(record_from_response(c["response"], SCHEMA, start_len=start).ids,
-                                  rec.ids)
+    np.testing.assert_array_equal(rec.expert_ids, _truth(name, start))
+    assert rec.expert_ids.dtype == np.uint8 and rec.expert_ids.shape[1] == 3   # dense layer 0 stripped
+    np.testing.assert_array_equal(record_from_response(c["response"], SCHEMA, start_len=start).expert_ids,
+                                  rec.expert_ids)
 
 
 def test_prefix_hit_rows_come_from_the_cache():
     rec, base = _rec("prefix_hit"), _rec("basic")
     assert rec.prefix_cached == [(0, 4)]
-    np.testing.assert_array_equal(rec.ids[:4], base.ids[:4])
+    np.testing.assert_array_equal(rec.expert_ids[:4], base.expert_ids[:4])
     assert rec.token_ids.tolist() == CASES["prefix_hit"]["prompt_ids"] + \
         CASES["prefix_hit"]["response"]["output_ids"]
 
@@ -60,7 +60,7 @@ def test_multi_turn_segments_rebuild_the_conversation():
     t2 = _rec("turn2", start_len=next_start(t1))
     assert (t1.start, t1.num_tokens, t2.start) == (0, 7, 7)
     conv = merge_segments([t2, t1], "conv")
-    np.testing.assert_array_equal(conv.ids, _truth("turn2"))     # the whole conversation
+    np.testing.assert_array_equal(conv.expert_ids, _truth("turn2"))     # the whole conversation
     assert conv.start == 0 and conv.recomputed == [] and conv.prompt_len == 11
     assert conv.token_ids.tolist() == CASES["turn2"]["prompt_ids"] + [94, 95, 96]
 
@@ -91,7 +91,7 @@ def test_openai_response_and_stream():
               for i in range(1, 4)]
     chunks.append({"text": "", "output_ids": resp["output_ids"], "meta_info": {**meta, "routed_experts": routed}})
     s = record_from_stream(chunks, SCHEMA)
-    np.testing.assert_array_equal(s.ids, _truth("basic"))
+    np.testing.assert_array_equal(s.expert_ids, _truth("basic"))
     with pytest.raises(RecordError, match="final chunk.*--enable-return-routed-experts"):
         record_from_stream(chunks[:-1], SCHEMA)
 
@@ -100,14 +100,14 @@ def test_fused_shared_expert_columns():
     f = FIX["fused_shared"]
     schema = RoutingSchema.from_hf_config(f["config"])        # DeepSeek-like: layer 0 dense
     rec = record_from_response(f["response"], schema, num_fused_shared_experts=1)
-    np.testing.assert_array_equal(rec.ids, np.array(f["truth"])[:, 1:])
+    np.testing.assert_array_equal(rec.expert_ids, np.array(f["truth"])[:, 1:])
     # an older layout that still carries the -1-padded shared column
     full = np.array(f["truth"], dtype="<i4")
     wide = np.concatenate([full, np.full(full.shape[:2] + (1,), -1, "<i4")], axis=2)
     resp = json.loads(json.dumps(f["response"]))
     resp["meta_info"]["routed_experts"] = base64.b64encode(wide.tobytes()).decode()
     np.testing.assert_array_equal(
-        record_from_response(resp, schema, num_fused_shared_experts=1).ids, rec.ids)
+        record_from_response(resp, schema, num_fused_shared_experts=1).expert_ids, rec.expert_ids)
     wide[0, 1, 2] = 3                                          # a routed id in the shared column
     resp["meta_info"]["routed_experts"] = base64.b64encode(wide.tobytes()).decode()
     with pytest.raises(RecordError, match="req-fused.*shared-expert columns"):
@@ -250,7 +250,7 @@ def test_client_streams_records_into_a_sidecar(sglang_server):
     assert with_routing({"prompt": "x"}, 5) == {"prompt": "x", "return_routed_experts": True,
                                                  "routed_experts_start_len": 5}
     got = SidecarReader(w.getvalue()).read("req-basic")
-    np.testing.assert_array_equal(got.ids, _truth("basic"))
+    np.testing.assert_array_equal(got.expert_ids, _truth("basic"))
     assert got.token_ids.tolist()[:6] == CASES["basic"]["prompt_ids"]
 
 

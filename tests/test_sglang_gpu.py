@@ -55,7 +55,7 @@ def test_real_sglang_routing_and_weight_sync(server):
     from engine_patches.sglang.client import SGLangRoutingClient, next_start
     from engine_patches.sglang.weight_sync import FromDisk, SGLangWeightSync
     from routereplay.schema import RoutingSchema
-    from routereplay.segments import merge_segments
+    from routereplay.multi_turn import merge_segments
     url, model = server
     schema = RoutingSchema.from_hf_config(model)
     client = SGLangRoutingClient(url, schema)
@@ -63,7 +63,7 @@ def test_real_sglang_routing_and_weight_sync(server):
     sp = {"max_new_tokens": 16, "temperature": 1.0, "ignore_eos": True}
     resp, rec = client.generate({"input_ids": prompt, "sampling_params": sp})
     assert rec.num_tokens == len(prompt) + 16 - 1 and rec.start == 0
-    assert rec.ids.max() < schema.num_experts and rec.weight_versions[0].version == "v1"
+    assert rec.expert_ids.max() < schema.num_experts and rec.weight_versions[0].version == "v1"
     turn2 = prompt + resp["output_ids"] + [7, 8, 9]
     resp2, rec2 = client.generate({"input_ids": turn2, "sampling_params": sp},
                                   start_len=next_start(rec))

@@ -7,6 +7,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from routereplay import codec
 from routereplay import sidecar as sc
 from routereplay.errors import RecordError, RouteReplayError, SidecarError
 from routereplay.sidecar import SidecarReader, SidecarWriter, write_records
@@ -19,7 +20,7 @@ def _records(schema, n=4):
 
 def _assert_same(a, b):
     assert a.sample_id == b.sample_id and a.start == b.start and a.prompt_len == b.prompt_len
-    np.testing.assert_array_equal(a.ids, b.ids)
+    np.testing.assert_array_equal(a.expert_ids, b.expert_ids)
     np.testing.assert_array_equal(a.token_ids, b.token_ids)
     np.testing.assert_array_equal(a.logprobs, b.logprobs)
     assert a.weight_versions == b.weight_versions
@@ -50,7 +51,7 @@ def test_partial_reads(schema):
     data = write_records(None, schema, [rec]).getvalue()
     r = SidecarReader(data)
     part = r.read("p", layers=[2], tokens=(5, 9), arrays=False)
-    np.testing.assert_array_equal(part.ids, rec.ids[5:9, [2]])
+    np.testing.assert_array_equal(part.expert_ids, rec.expert_ids[5:9, [2]])
     assert part.start == 5 and part.token_ids is None
 
 
@@ -62,7 +63,7 @@ def test_duplicate_sample_id_rejected_nothing_lost(tmp_path, schema):
     with pytest.raises(RecordError, match="already written"):
         w.write(random_record(schema, "x", 10, 2))
     bad = random_record(schema, "bad", 10, 3)
-    bad.ids[0, 0, 0] = 99
+    bad.expert_ids[0, 0, 0] = 99
     with pytest.raises(RecordError, match="sample 'bad', token 0"):
         w.write(bad)
     w.close()
@@ -126,7 +127,7 @@ def test_forged_length_no_huge_allocation(schema):
     data = bytearray(write_records(None, schema, _records(schema, 1)).getvalue())
     off = SidecarReader(bytes(data)).scan()[0].offset
     hdr = struct.pack("<4sB3xQI", b"RRFM", 1, 1 << 60, 0)
-    data[off:off + 24] = hdr + struct.pack("<I", sc._crc(hdr))
+    data[off:off + 24] = hdr + struct.pack("<I", sc.crc32(hdr))
     r = SidecarReader(bytes(data[:-16]))
     assert r.sample_ids() == [] and r.torn_tail == off
 
@@ -176,7 +177,7 @@ def test_layer_groups_decode_only_requested(schema, monkeypatch):
     real = codec.decode
     monkeypatch.setattr(codec, "decode", lambda *a, **k: calls.append(a[2]) or real(*a, **k))
     part = SidecarReader(data).read("g", layers=[1])
-    np.testing.assert_array_equal(part.ids, rec.ids[:, [1]])
+    np.testing.assert_array_equal(part.expert_ids, rec.expert_ids[:, [1]])
     assert calls == [(19, 1, 4)]            # one of three layer sections decoded
 
 
@@ -221,7 +222,7 @@ def test_forged_index_never_returns_another_sample(schema):
 
 def test_deeply_nested_json_is_our_error(schema):
     js = b"[" * 200000
-    blob = struct.pack("<8sHHI", sc.MAGIC, 1, 0, len(js)) + js + struct.pack("<I", sc._crc(js))
+    blob = struct.pack("<8sHHI", sc.MAGIC, 1, 0, len(js)) + js + struct.pack("<I", sc.crc32(js))
     with pytest.raises(SidecarError):
         SidecarReader(blob)
 
@@ -283,19 +284,19 @@ def test_reads_format_version_1(schema):
     """A v1 stream (every meta key present, sections as objects) still reads."""
     import json
     rec = random_record(schema, "old", 30, 5)
-    body = sc._codec.encode(rec.ids, "zstd-lm")
+    body = codec.encode(rec.expert_ids, "zstd-lm")
     meta = {**rec.meta(), "sections": [{"name": "routing", "offset": 0, "length": len(body),
                                         "shape": [rec.num_tokens, 3, 4], "codec": "zstd-lm",
                                         "layers": [0, 3]}]}
     js = json.dumps(meta).encode()
     hjs = json.dumps({"schema": schema.to_dict(), "codec": "zstd-lm", "column_order": "engine",
                       "layer_group": 4}).encode()
-    data = (struct.pack("<8sHHI", sc.MAGIC, 1, 0, len(hjs)) + hjs + struct.pack("<I", sc._crc(hjs))
+    data = (struct.pack("<8sHHI", sc.MAGIC, 1, 0, len(hjs)) + hjs + struct.pack("<I", sc.crc32(hjs))
             + sc.encode_frame(sc.KIND_RECORD, struct.pack("<I", len(js)) + js + body))
     r = SidecarReader(data)
     assert r.version == 1
     got = r.read("old")
-    np.testing.assert_array_equal(got.ids, rec.ids)
+    np.testing.assert_array_equal(got.expert_ids, rec.expert_ids)
     assert got.weight_versions == rec.weight_versions and got.engine == "test"
 
 
@@ -304,7 +305,7 @@ def test_sorted_column_order_stream(schema):
     data = write_records(None, schema, recs, column_order="sorted").getvalue()
     r = SidecarReader(data)
     assert r.column_order == "sorted" and r.header["codec"] == "ctx-ans-sorted"
-    np.testing.assert_array_equal(r.read("r1").ids, np.sort(recs[1].ids, axis=-1))
+    np.testing.assert_array_equal(r.read("r1").expert_ids, np.sort(recs[1].expert_ids, axis=-1))
     with pytest.raises(ValueError, match="column_order"):
         SidecarWriter(None, schema, codec="ctx-ans-sorted")
 

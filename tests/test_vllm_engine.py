@@ -21,7 +21,7 @@ torch = pytest.importorskip("torch")
 def run(tiny_model, tmp_path_factory):
     d = tmp_path_factory.mktemp("vllm")
     rolled_routers(tiny_model, str(d / "v2"))
-    from engine_patches.vllm.triton_cpu import engine_env
+    from engine_patches.vllm.harness.triton_cpu import engine_env
     env = engine_env()
     env["ROUTEREPLAY_SIDECAR"] = str(d / "plugin.rrsc")
     p = run_py([os.path.join(REPO, "tests", "vllm_engine_checks.py"), "--model", tiny_model,
@@ -45,7 +45,7 @@ def _hf_ids(model, seqs):
     """HF fp32 routing of each token sequence: [len - 1, L_moe, top_k] in top-k order."""
     from tests.hf_reference import hf_records
     _, recs = hf_records(model, seqs, prompt_len=1)
-    return [r.ids for r in recs]
+    return [r.expert_ids for r in recs]
 
 
 def test_plugin_streams_every_finished_request(run):
@@ -59,7 +59,7 @@ def test_plugin_streams_every_finished_request(run):
     assert {"3/0", "3/1"} <= set(plug)                      # n=2: one record per completion
     for sid, r in own.items():
         p = plug[sid]
-        assert p.start == r.start and np.array_equal(p.ids, r.ids), sid
+        assert p.start == r.start and np.array_equal(p.expert_ids, r.expert_ids), sid
         assert np.array_equal(p.token_ids, r.token_ids) and np.array_equal(p.logprobs, r.logprobs)
         assert p.prompt_len == r.prompt_len and p.weight_versions == r.weight_versions
     assert plug["4"].start == 3                            # routed_experts_prompt_start=3
@@ -83,7 +83,7 @@ def test_weight_sync_never_serves_old_routing_from_the_prefix_cache(run, tiny_mo
                                ("after_v2", v2, "v2"), ("after_v2_again", v2, "v2"),
                                ("after_v3", v1, "v3")):
         r = recs[sid]
-        assert _same_sets(r.ids, want[sid]), sid
+        assert _same_sets(r.expert_ids, want[sid]), sid
         if version:
             assert {s.version for s in r.weight_versions} == {version}, sid
     for rep, v in zip(res["sync_reports"], ("v2", "v3")):
@@ -92,7 +92,7 @@ def test_weight_sync_never_serves_old_routing_from_the_prefix_cache(run, tiny_mo
 
 
 def test_multi_turn_segments_rebuild_the_conversation(run, tiny_model):
-    from routereplay.segments import merge_segments
+    from routereplay.multi_turn import merge_segments
     d, _ = run
     recs = _records(d / "turns.rrsc")
     t0, t1, t1u = recs["conv/turn0"], recs["conv/turn1"], recs["conv/turn1-after-update"]
@@ -100,15 +100,15 @@ def test_multi_turn_segments_rebuild_the_conversation(run, tiny_model):
     assert t1.start == t0.num_tokens == len(t0.token_ids) - 1
     merged = merge_segments([t0, t1], "conv")
     full = _hf_ids(tiny_model, [t1.token_ids.tolist()])[0]
-    assert merged.start == 0 and _same_sets(merged.ids, full)
+    assert merged.start == 0 and _same_sets(merged.expert_ids, full)
     assert merged.recomputed == []
     # turn 1 resent in full after a weight update: its re-prefilled overlap was computed
     # with the new weights; the earlier turn's rows win (they produced turn 0's tokens and
     # log-probs) and the differing rows are listed as recomputed.
     m2 = merge_segments([t0, t1u], "conv")
     n0 = t0.num_tokens
-    assert np.array_equal(m2.ids[:n0], t0.ids)
-    assert np.array_equal(m2.ids[n0:], t1u.ids[n0:])
+    assert np.array_equal(m2.expert_ids[:n0], t0.expert_ids)
+    assert np.array_equal(m2.expert_ids[n0:], t1u.expert_ids[n0:])
     assert m2.recomputed and m2.recomputed[0][0] >= 0 and m2.recomputed[-1][1] <= n0
 
 
@@ -120,4 +120,4 @@ def test_chunked_prefill_and_preemption_rows_equal_a_full_recompute(run, tiny_mo
     hf = _hf_ids(tiny_model, [r.token_ids.tolist() for r in recs.values()])
     for r, want in zip(recs.values(), hf):
         assert r.start == 0 and r.num_tokens == len(r.token_ids) - 1
-        assert _same_sets(r.ids, want), r.sample_id
+        assert _same_sets(r.expert_ids, want), r.sample_id

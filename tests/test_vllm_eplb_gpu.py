@@ -29,7 +29,7 @@ def _v2(src, dst):
 
 def _llm(model):
     from vllm import LLM
-    from engine_patches.vllm.weights import WORKER_EXTENSION
+    from engine_patches.vllm.worker_extension import WORKER_EXTENSION
     return LLM(model=model, dtype="float32", enable_return_routed_experts=True,
                enable_prefix_caching=True, enable_eplb=True, enable_expert_parallel=True,
                eplb_config={"num_redundant_experts": 4, "step_interval": 1, "window_size": 2},
@@ -59,7 +59,7 @@ def test_weight_update_with_eplb_matches_fresh_engine(tiny_model, tmp_path):
     assert rep.eplb_layers_refreshed > 0, "EPLB never rearranged: the check proves nothing"
     for a, b in zip(got, ref):
         ra, rb = record_from_output(a, schema), record_from_output(b, schema)
-        assert int(ra.ids.max()) < schema.num_experts                 # logical ids
+        assert int(ra.expert_ids.max()) < schema.num_experts                 # logical ids
         assert list(a.outputs[0].token_ids) == list(b.outputs[0].token_ids)
-        assert np.array_equal(np.sort(ra.ids, -1), np.sort(rb.ids, -1))
+        assert np.array_equal(np.sort(ra.expert_ids, -1), np.sort(rb.expert_ids, -1))
         assert np.allclose(ra.logprobs, rb.logprobs, atol=1e-3)

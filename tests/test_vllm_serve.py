@@ -33,7 +33,7 @@ def _post(url, body):
 
 @pytest.fixture(scope="module")
 def server(tiny_model, tmp_path_factory):
-    from engine_patches.vllm.triton_cpu import engine_env
+    from engine_patches.vllm.harness.triton_cpu import engine_env
     d = tmp_path_factory.mktemp("serve")
     env = engine_env()
     env.update(ROUTEREPLAY_SIDECAR=str(d / "streams") + "/", ROUTEREPLAY_RESPONSE="reference",
@@ -109,6 +109,6 @@ def test_served_requests_stream_into_the_sidecar(server, tiny_model):
         assert rec.start == (5 if i == 1 else 0)
         assert rec.num_tokens == len(prompts[i]) + 12 - 1 - rec.start
         np.testing.assert_allclose(rec.logprobs, ch["logprobs"]["token_logprobs"], atol=1e-6)
-        assert rec.ids.shape[1:] == (schema.num_moe_layers, schema.top_k)
+        assert rec.expert_ids.shape[1:] == (schema.num_moe_layers, schema.top_k)
     chat_rec = recs[SidecarRef.parse(refs[2])[1]]
     assert chat_rec.num_tokens == chat_rec.prompt_len + 8 - 1

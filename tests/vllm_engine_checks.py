@@ -16,13 +16,13 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from engine_patches.vllm import triton_cpu  # noqa: E402
+from engine_patches.vllm.harness import triton_cpu  # noqa: E402
 
 triton_cpu.install()
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 
 from engine_patches.vllm.records import record_from_output  # noqa: E402
-from engine_patches.vllm.weights import WORKER_EXTENSION  # noqa: E402
+from engine_patches.vllm.worker_extension import WORKER_EXTENSION  # noqa: E402
 from routereplay.schema import RoutingSchema  # noqa: E402
 from routereplay.sidecar import write_records  # noqa: E402
 

@@ -18,7 +18,7 @@ from engine_patches.vllm import check_vllm_version  # noqa: E402
 check_vllm_version()
 
 from engine_patches.vllm.records import record_from_output  # noqa: E402
-from engine_patches.vllm.weights import WORKER_EXTENSION  # noqa: E402
+from engine_patches.vllm.worker_extension import WORKER_EXTENSION  # noqa: E402
 from routereplay.schema import RoutingSchema  # noqa: E402
 from routereplay.sidecar import write_records  # noqa: E402
 

@@ -29,7 +29,7 @@ from routereplay import wire
 from routereplay.errors import RecordError
 from routereplay.record import RoutingRecord, checked_moe_ids
 from routereplay.schema import RoutingSchema
-from routereplay.versions import output_spans_to_rows
+from routereplay.weight_versions import output_spans_to_rows
 
 MAX_LINE_BYTES = 1 << 30          # one saved response (bytes)
 FLAG_HINT = ("launch the SGLang server with --enable-return-routed-experts (Engine("
@@ -145,7 +145,7 @@ def _record_from_response(resp: Mapping[str, Any], schema: RoutingSchema, *,
     Returns:
         record with ids [seqlen - 1 - start_len, L_moe, top_k] from position start_len;
         weight-version spans over token positions (output spans mapped as in
-        routereplay.versions; prompt rows take the first span's version; a single
+        routereplay.weight_versions; prompt rows take the first span's version; a single
         ``weight_version`` covers every row); ``recomputed`` = every row when
         ``num_retractions > 0`` (SGLang re-prefills a retracted request, overwriting its
         routes with ones computed later, possibly under new weights, while the log-probs
@@ -221,7 +221,7 @@ def _record_from_response(resp: Mapping[str, Any], schema: RoutingSchema, *,
     if token_ids is not None and isinstance(f["output_logprobs"], list) \
             and len(f["output_logprobs"]) == gen:
         logprobs = np.array([float(x[0]) for x in f["output_logprobs"]], dtype=np.float32)
-    rec = RoutingRecord(sample_id=sid, ids=ids, start=start_len, prompt_len=prompt_len,
+    rec = RoutingRecord(sample_id=sid, expert_ids=ids, start=start_len, prompt_len=prompt_len,
                         token_ids=token_ids, logprobs=logprobs if token_ids is not None else None,
                         weight_versions=versions, recomputed=recomputed,
                         prefix_cached=[(0, cached)] if cached else [], engine=engine)

@@ -16,7 +16,7 @@ import numpy as np
 from routereplay.errors import RecordError
 from routereplay.record import RoutingRecord, checked_moe_ids
 from routereplay.schema import RoutingSchema
-from routereplay.versions import output_spans_to_rows
+from routereplay.weight_versions import output_spans_to_rows
 
 
 def record_from_output(output: Any, schema: RoutingSchema, *, sample_id: str | None = None,
@@ -81,7 +81,7 @@ def record_from_parts(sid: str, schema: RoutingSchema, *, prompt: list[int], gen
     spans = output_spans_to_rows([(str(s.version), int(s.start), int(s.end))
                                   for s in (weight_versions or [])], len(prompt))
     rec = RoutingRecord(
-        sample_id=sid, ids=ids, start=start, prompt_len=len(prompt),
+        sample_id=sid, expert_ids=ids, start=start, prompt_len=len(prompt),
         token_ids=np.asarray(prompt + gen, dtype=np.int32), logprobs=lp,
         weight_versions=spans, prefix_cached=[(0, num_cached_tokens)] if num_cached_tokens else [],
         engine=engine)

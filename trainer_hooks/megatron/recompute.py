@@ -57,7 +57,7 @@ def check_records(records: Sequence[RoutingRecord], schema: RoutingSchema) -> No
             raise AlignmentError(f"sample {r.sample_id!r}: the record holds no token ids, "
                                  "prompt length or engine log-probs to recompute")
         # the record's own checks, on its metadata (ids decoded with no layers here)
-        dataclasses.replace(r, ids=np.broadcast_to(np.arange(schema.top_k, dtype=schema.id_dtype),
+        dataclasses.replace(r, expert_ids=np.broadcast_to(np.arange(schema.top_k, dtype=schema.id_dtype),
                                            (r.num_tokens, schema.num_moe_layers, schema.top_k))
                     ).validate(schema)
 
@@ -390,7 +390,7 @@ def condition_metrics(records: Sequence[RoutingRecord], lp: dict[str, np.ndarray
     """
     out = verify.summarize(records, {"c": [(lp[r.sample_id], used[r.sample_id])
                                            for r in records]})["c"]
-    eng = np.concatenate([r.ids for r in records])
+    eng = np.concatenate([r.expert_ids for r in records])
     ordered = np.concatenate([used[r.sample_id][r.start:r.start + r.num_tokens]
                               for r in records])
     out["routing_agreement_ordered"] = metrics.routing_agreement(
@@ -415,7 +415,7 @@ def _record_checks(o: Options, ctx: dict[str, Any], records, schema) -> dict[str
     lp0, used0 = payload[0]["lp"], payload[0]["used"]
     # Recorded routing of every token position (the last one included).
     recorded = {r.sample_id: dataclasses.replace(
-        r, ids=used0[r.sample_id].astype(schema.id_dtype), start=0) for r in records}
+        r, expert_ids=used0[r.sample_id].astype(schema.id_dtype), start=0) for r in records}
 
     def compare(res):
         pr = _gather({"lp": res["lp"], "used": res["used"]})

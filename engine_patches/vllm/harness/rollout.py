@@ -3,7 +3,7 @@
 Run as a module in its own process (the demo does); on a machine without CUDA it installs
 the Triton interpreter shim before vLLM is imported:
 
-    python -m engine_patches.vllm.rollout --model DIR --prompts prompts.json \
+    python -m engine_patches.vllm.harness.rollout --model DIR --prompts prompts.json \
         --sidecar out.rrsc --summary summary.json [--dtype bfloat16] [--max-tokens 48]
 
 The summary JSON holds counts, timings and the sizes of the same routing in vLLM's and
@@ -17,13 +17,13 @@ import os
 import sys
 import time
 
-from engine_patches.vllm import triton_cpu
+from engine_patches.vllm.harness import triton_cpu
 
 triton_cpu.install()          # NOTE: before anything imports vllm
 
 from engine_patches.vllm import VLLM_VERSION  # noqa: E402
 from engine_patches.vllm.records import record_from_output  # noqa: E402
-from engine_patches.vllm.weights import WORKER_EXTENSION  # noqa: E402
+from engine_patches.vllm.worker_extension import WORKER_EXTENSION  # noqa: E402
 from routereplay import wire  # noqa: E402
 from routereplay.schema import RoutingSchema  # noqa: E402
 from routereplay.sidecar import SidecarWriter  # noqa: E402

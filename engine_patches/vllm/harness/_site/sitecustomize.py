@@ -1,8 +1,8 @@
 # Loaded at interpreter start-up in processes started with
-# engine_patches.vllm.triton_cpu.engine_env(): installs the Triton interpreter shim
+# engine_patches.vllm.harness.triton_cpu.engine_env(): installs the Triton interpreter shim
 # before vLLM is imported. Does nothing on machines with CUDA.
 try:
-    from engine_patches.vllm.triton_cpu import install as _install
+    from engine_patches.vllm.harness.triton_cpu import install as _install
     _install()
 except Exception as _e:  # noqa: BLE001 - never break interpreter start-up
     import sys

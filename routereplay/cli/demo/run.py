@@ -79,11 +79,11 @@ def routing_only_bytes(sidecar: str) -> tuple[int, int]:
 def run_demo(cfg: DemoConfig) -> dict[str, Any]:
     """Run the main job; returns the result dict (see :func:`format_report` and --json)."""
     if cfg.model is None:
-        from routereplay.demo.tiny_model import demo_prompts, ensure_tiny_model
+        from routereplay.cli.demo.tiny_model import demo_prompts, ensure_tiny_model
         model = ensure_tiny_model()
         prompts = demo_prompts(cfg.num_prompts)
     else:
-        from routereplay.demo.tiny_model import demo_prompts
+        from routereplay.cli.demo.tiny_model import demo_prompts
         model = os.path.abspath(cfg.model)
         prompts = demo_prompts(cfg.num_prompts)
     schema = RoutingSchema.from_hf_config(model)     # clear error for a model without MoE
@@ -106,9 +106,9 @@ def run_demo(cfg: DemoConfig) -> dict[str, Any]:
     with open(paths["prompts"], "w") as f:
         json.dump(prompts, f)
 
-    from engine_patches.vllm.triton_cpu import engine_env   # lazy: only the demo needs it
+    from engine_patches.vllm.harness.triton_cpu import engine_env   # lazy: only the demo needs it
     _run_stage("vLLM rollout", [
-        sys.executable, "-m", "engine_patches.vllm.rollout", "--model", model,
+        sys.executable, "-m", "engine_patches.vllm.harness.rollout", "--model", model,
         "--prompts", paths["prompts"], "--sidecar", paths["sidecar"],
         "--summary", paths["rollout"], "--dtype", cfg.engine_dtype,
         "--max-tokens", str(cfg.max_tokens), "--seed", str(cfg.seed)]

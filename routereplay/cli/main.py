@@ -21,7 +21,7 @@ from routereplay.errors import RouteReplayError
 
 
 def _cmd_demo(a: argparse.Namespace) -> int:
-    from routereplay.demo.run import DemoConfig, format_report, run_demo
+    from routereplay.cli.demo.run import DemoConfig, format_report, run_demo
     cfg = DemoConfig(model=a.model, num_prompts=a.prompts, max_tokens=a.max_tokens,
                      engine_dtype=a.engine_dtype, router_perturb=a.router_perturb,
                      router_select_noise=a.router_select_noise,
@@ -55,8 +55,8 @@ def _cmd_inspect(a: argparse.Namespace) -> int:
                 continue
             m = fi.meta
             out["records"].append({
-                "sample_id": m["sample_id"], "num_tokens": m["num_tokens"],
-                "versions": sorted({s[0] for s in m["weight_versions"]})})
+                "sample_id": m.sample_id, "num_tokens": m.num_tokens,
+                "versions": sorted(set(m.versions()))})
         out["num_records"] = len(out["records"])
         out["num_layers"] = schema.num_moe_layers
         out["versions"] = sorted({v for x in out["records"] for v in x["versions"]})
@@ -147,7 +147,7 @@ def _cmd_export(a: argparse.Namespace) -> int:
             rec = r.read(a.sample, arrays=False)
         except KeyError:
             raise RouteReplayError(f"sample {a.sample!r} is not in {a.sidecar}") from None
-        ids = rec.ids
+        ids = rec.expert_ids
         if a.full_layers:                       # vLLM layout: dense layers zero-filled
             full = np.zeros((ids.shape[0], r.schema.num_hidden_layers, ids.shape[2]), ids.dtype)
             full[:, list(r.schema.moe_layer_ids)] = ids

@@ -1,0 +1,33 @@
+"""Sidecar streams: an append-only, framed, checksummed file of routing records.
+
+The byte layout is specified in docs/FORMAT.md; the modules follow its headings:
+
+- :mod:`~routereplay.sidecar.layout`: header, frames, index and trailer ("Overall layout",
+  "Header", "Frame", "Index payload (kind 2) and trailer");
+- :mod:`~routereplay.sidecar.payload`: record payloads, their meta and sections ("Record
+  payload (kind 1)"); version-1 meta in :mod:`~routereplay.sidecar.payload_v1`;
+- :mod:`~routereplay.sidecar.writer`: :class:`SidecarWriter` (background thread, bounded
+  queue, local files, fsspec URLs, file objects, in-memory bytes);
+- :mod:`~routereplay.sidecar.reader`: :class:`SidecarReader` (index or scan, torn-tail
+  recovery, partial decode by sample, token range and MoE layers; a RoutingSource).
+
+Metadata is JSON, validated on read. Nothing read from a stream is ever unpickled or
+evaluated.
+"""
+from routereplay.sidecar.layout import (COLUMN_ORDERS, DEFAULT_LAYER_GROUP, FORMAT_VERSION,
+                                        FRAME_HEADER_SIZE, FRAME_MAGIC, KIND_INDEX,
+                                        KIND_RECORD, MAGIC, MAX_FRAME_BYTES, MAX_JSON_BYTES,
+                                        MAX_TOKENS, READABLE_VERSIONS, TRAILER_MAGIC, crc32,
+                                        encode_frame, encode_header)
+from routereplay.sidecar.payload import RecordMeta, Section, encode_record_payload
+from routereplay.sidecar.reader import FrameInfo, SidecarReader
+from routereplay.sidecar.writer import SidecarWriter, write_records, writer_codec
+
+_crc = crc32          # NOTE: pre-0.2 private name, still used by external test helpers
+
+__all__ = ["SidecarWriter", "SidecarReader", "FrameInfo", "RecordMeta", "Section",
+           "write_records", "writer_codec", "encode_header", "encode_frame",
+           "encode_record_payload", "crc32", "MAGIC", "FORMAT_VERSION", "READABLE_VERSIONS",
+           "COLUMN_ORDERS", "FRAME_MAGIC", "TRAILER_MAGIC", "KIND_RECORD", "KIND_INDEX",
+           "FRAME_HEADER_SIZE", "MAX_JSON_BYTES", "MAX_FRAME_BYTES", "DEFAULT_LAYER_GROUP",
+           "MAX_TOKENS"]
