@@ -41,7 +41,7 @@ from routereplay import codec, wire  # noqa: E402
 from routereplay.record import RoutingRecord  # noqa: E402
 from routereplay.schema import RoutingSchema  # noqa: E402
 from routereplay.sidecar import SidecarReader, write_records  # noqa: E402
-from routereplay.testing import routing_trace  # noqa: E402
+from routereplay.testing import CrossLayerRouting, routing_trace  # noqa: E402
 
 GROUP = 4
 
@@ -99,6 +99,7 @@ def methods(e):
                                  lambda b, x: codec.decode(b, "zstd-lm", x.shape, x.dtype)),
         "ctx-zstd (ours)": ours("ctx-zstd"),
         "ctx-ans (ours)": ours("ctx-ans"),
+        "xl-zstd (ours)": ours("xl-zstd"),
     }
 
 
@@ -122,7 +123,7 @@ def run_trace(name, recs, e, k, rate=None):
         res[mname] = (8 * size / rows, n_in / te / 1e6, n_in / td / 1e6)
     # the whole routing-only stream: header, frames, compact meta, index, trailer
     schema = RoutingSchema(recs[0].shape[1], tuple(range(recs[0].shape[1])), k, e)
-    for name in ("ctx-zstd", "ctx-ans"):
+    for name in ("ctx-zstd", "ctx-ans", "xl-zstd"):
         stream = write_records(None, schema, [RoutingRecord(f"s{i}", x) for i, x in enumerate(recs)],
                                background=False, codec=name).getvalue()
         res[f"stream ({name})"] = (8 * len(stream) / rows, float("nan"), float("nan"))
@@ -173,9 +174,14 @@ def main():
     ap.add_argument("--no-engine", action="store_true", help="synthetic traces only")
     ap.add_argument("--grid", action="store_true",
                     help="only the size grid: ctx-zstd / zstd-19 over E, top_k, skew, repeat")
+    ap.add_argument("--records-by-length", action="store_true",
+                    help="only the whole-file table by record length (issue 18)")
+    ap.add_argument("--trained", help="npz from benchmarks/trained_routing.py (trained routing)")
     a = ap.parse_args()
     if a.grid:
         return print_grid()
+    if a.records_by_length:
+        return print_records_by_length(a.trained)
     rng = np.random.default_rng(0)
     summary = []
     print("bits per token-layer (lower is better); MB/s of uint8-equivalent input, one thread")
@@ -197,6 +203,7 @@ def main():
             summary.append(("tiny model, vLLM capture", None, res))
     print_summary(summary)
     print_by_length(rng)
+    print_records_by_length(a.trained)
 
 
 def print_grid(tokens=2048, layers=8):
@@ -221,6 +228,31 @@ def print_grid(tokens=2048, layers=8):
     print(f"  with repetition, largest: {rep[0][0]:.3f} (E={rep[0][1]} top_k={rep[0][2]} "
           f"skew={rep[0][3]:g} repeat={rep[0][4]}); {sum(r[0] < 1 for r in rep)} of {len(rep)} "
           "below 1")
+    print_xl_grid()
+
+
+def print_xl_grid(lengths=(64, 256, 512, 1024, 2048, 4096), layers=GROUP):
+    """xl-zstd (check="auto", the writer's) against zstd-19 on the same token-major section,
+    over the grid of print_grid at several lengths: the guarantee's measured slack where
+    the zstd-19 pass is skipped (sections above xl_zstd.CHECK_BYTES plain bytes)."""
+    from routereplay.codec import xl_zstd
+    print(f"\nxl-zstd (auto) / (zstd-19 + 1 byte), one section of {layers} layers:")
+    print("| tokens | traces | above 1 | largest | trace | largest excess bytes |")
+    print("|---|---|---|---|---|---|")
+    for tokens in lengths:
+        rows = []
+        for e in (3, 4, 5, 8, 11, 12, 14, 16, 17, 24, 32, 60, 64, 96, 128, 160, 256, 300, 384):
+            for k in (1, 2, 4, 6, 8):
+                for skew, rep in ((0.0, 0.0), (0.0, 0.5), (1.0, 0.0), (1.0, 0.9)):
+                    if k > e:
+                        continue
+                    x, _ = routing_trace(np.random.default_rng(e * 10 + k), tokens, layers, e, k, rep, skew)
+                    ours = len(xl_zstd.encode(x, e))
+                    z19 = _z19(x.tobytes()) + 1
+                    rows.append((ours / z19, ours - z19, f"E={e} k={k} skew={skew:g} r={rep}"))
+        rows.sort(reverse=True)
+        print(f"| {tokens} | {len(rows)} | {sum(r[1] > 0 for r in rows)} | {rows[0][0]:.4f} "
+              f"| {rows[0][2]} | {max(r[1] for r in rows)} |", flush=True)
 
 
 def print_by_length(rng, e=128, k=8, layers=48):
@@ -258,6 +290,136 @@ def print_summary(summary):
     print(f"\nctx-zstd: encode {min(c[1] for c in cz):.0f}-{max(c[1] for c in cz):.0f} MB/s, "
           f"decode {min(c[2] for c in cz):.0f}-{max(c[2] for c in cz):.0f} MB/s "
           "(targets: 50 and 200)")
+
+
+# --------------------------------------------------------------------------- issue 18
+
+
+def _z19(b: bytes) -> int:
+    return len(zstandard.ZstdCompressor(level=19).compress(b))
+
+
+def _file_bits(recs, e, k, codec_name, group):
+    """Whole sidecar stream (routereplay.sidecar.SidecarWriter as it is: header, frames,
+    meta JSON, index, trailer) of routing-only records.
+
+    Returns (stream bytes, routing-section bytes, per-record framing bytes: frame header,
+    meta length and JSON, the record's index entry; summed over records).
+    """
+    import json
+    from routereplay.sidecar import encode_record_payload
+    nl = recs[0].shape[1]
+    schema = RoutingSchema(nl, tuple(range(nl)), k, e)
+    rr = [RoutingRecord(f"s{i}", x) for i, x in enumerate(recs)]
+    stream = write_records(None, schema, rr, background=False, codec=codec_name,
+                           layer_group=group).getvalue()
+    sections = per_record = 0
+    off = 0
+    for r in rr:
+        payload = encode_record_payload(r, schema, codec_name, group)
+        sec = sum(len(codec.encode(np.ascontiguousarray(r.ids[:, l0:l0 + group]), codec_name, e))
+                  for l0 in range(0, nl, group))
+        sections += sec
+        per_record += 24 + len(payload) - sec + len(json.dumps([r.sample_id, off])) + 1
+        off += 24 + len(payload)
+    return len(stream), sections, per_record
+
+
+def record_sources(trained: str | None):
+    """(name, num_experts, top_k, sample(rng, T) -> (ids, rate or None), lengths)."""
+    out = []
+    for e, k, nl, kw in ((8, 2, 32, {}), (64, 6, 16, {}), (8, 2, 32, dict(repeat=0.0, coupling=0.5))):
+        src = CrossLayerRouting.make(np.random.default_rng(7), nl, e, k, **kw)
+        label = f"cross-layer E={e} k={k} L={nl} r={src.repeat} c={src.coupling}"
+        out.append((label, e, k, src.sample, (64, 256, 1024, 4096)))
+    for e, k, rep in ((8, 2, 0.5), (128, 8, 0.5)):
+        def indep(rng, t, e=e, k=k, rep=rep):
+            return routing_trace(rng, t, 16, e, k, rep, 1.0)
+        out.append((f"independent E={e} k={k} L=16 Zipf(1) r={rep}", e, k, indep, (64, 256, 1024, 4096)))
+    if trained:
+        d = np.load(trained)
+        e, k = int(d["num_experts"]), int(d["top_k"])
+        for pre in ("ids", "untrained_ids"):
+            lens = sorted({int(n.split("_")[-2]) for n in d.files if n.startswith(pre + "_")})
+            byt = {t: [d[n] for n in d.files if n.startswith(f"{pre}_{t}_")] for t in lens}
+
+            def pick(rng, t, byt=byt, i=[0]):
+                i[0] += 1
+                return byt[t][(i[0] - 1) % len(byt[t])], None
+            nl = d[f"{pre}_{lens[0]}_0"].shape[1]
+            name = "trained" if pre == "ids" else "untrained"
+            out.append((f"{name} tiny model E={e} k={k} L={nl}", e, k, pick, tuple(lens)))
+    return out
+
+
+def print_records_by_length(trained: str | None = None, rows_per_point: int = 65536):
+    """Issue 18: bits per token-layer by record length, whole file included.
+
+    Per source and record length: the exact entropy rate (synthetic), zstd-19 per record
+    token-major [T, L, K] and layer-major [L, T, K], our sections alone (layer groups of 4
+    and, for xl-zstd, one group of all layers), and whole sidecar streams (SidecarWriter as
+    it is) of routing-only records, with the framing bytes each record adds (frame header,
+    meta, index entry) and the stream's own (header JSON with the schema, index frame,
+    trailer).
+    """
+    print("\nbits per token-layer by record length (records coded one by one; 'file' = whole"
+          " sidecar stream of routing-only records, SidecarWriter as it is)")
+    print("| source | T | records | rate | z19 tm | z19 lm | ctx-zstd g4 | xl-zstd g4 | xl-zstd gL "
+          "| file ctx-zstd g4 | file xl-zstd g4 | file xl-zstd gL | file xl g4 / z19 tm | file xl g4 / rate "
+          "| record framing B g4 | record framing B gL | stream B |")
+    print("|---" * 17 + "|")
+    for label, e, k, sample, lengths in record_sources(trained):
+        for t in lengths:
+            rng = np.random.default_rng(t)
+            nrec = 2
+            while True:
+                recs, rates = [], []
+                for _ in range(nrec):
+                    x, r = sample(rng, t)
+                    recs.append(x)
+                    rates.append(r)
+                nl = recs[0].shape[1]
+                if nrec * t * nl >= rows_per_point or nrec >= 64:
+                    break
+                nrec = min(64, -(-rows_per_point // (t * nl)))
+            rows = sum(x.shape[0] * x.shape[1] for x in recs)
+            b = lambda n: 8 * n / rows  # noqa: E731
+            z_tm = sum(_z19(x.tobytes()) for x in recs)
+            z_lm = sum(_z19(np.ascontiguousarray(x.transpose(1, 0, 2)).tobytes()) for x in recs)
+            f_cz, s_cz, _ = _file_bits(recs, e, k, "ctx-zstd", GROUP)
+            f_x4, s_x4, m_x4 = _file_bits(recs, e, k, "xl-zstd", GROUP)
+            f_xl, s_xl, m_xl = _file_bits(recs, e, k, "xl-zstd", nl)
+            rate = None if rates[0] is None else float(np.mean(rates))
+            print(f"| {label} | {t} | {len(recs)} | {'-' if rate is None else f'{rate:.3f}'} "
+                  f"| {b(z_tm):.3f} | {b(z_lm):.3f} | {b(s_cz):.3f} | {b(s_x4):.3f} | {b(s_xl):.3f} "
+                  f"| {b(f_cz):.3f} | {b(f_x4):.3f} | {b(f_xl):.3f} | {f_x4 / z_tm:.1%} "
+                  f"| {'-' if rate is None else f'{b(f_x4) / rate:.1%}'} "
+                  f"| {m_x4 / len(recs):.0f} | {m_xl / len(recs):.0f} | {f_x4 - s_x4 - m_x4} |",
+                  flush=True)
+    print_speed_1k()
+
+
+def print_speed_1k(tokens=1024, layers=32):
+    """Encode/decode MB/s (uint8-equivalent, one thread, best run) of ctx-zstd and xl-zstd on
+    one 1K-token record in groups of 4 (issue 3's targets: 50 and 200)."""
+    print(f"\nspeed on one {tokens}-token record x {layers} MoE layers, groups of {GROUP} "
+          "(MB/s of uint8-equivalent input, one thread, best run)")
+    print("| source | ctx-zstd enc | ctx-zstd dec | xl-zstd enc | xl-zstd dec | xl-zstd modes (L/T/Z) |")
+    print("|---|---|---|---|---|---|")
+    srcs = [(f"cross-layer E={e} k={k}", e, CrossLayerRouting.make(np.random.default_rng(7), layers, e, k)
+             .sample(np.random.default_rng(1), tokens)[0]) for e, k in ((8, 2), (64, 6), (128, 8))]
+    srcs += [(f"independent E={e} k={k} r=0.5", e, routing_trace(np.random.default_rng(1), tokens, layers,
+                                                                  e, k, 0.5, 1.0)[0])
+             for e, k in ((8, 2), (128, 8))]
+    for label, e, x in srcs:
+        cells = []
+        for name in ("ctx-zstd", "xl-zstd"):
+            enc, dec = methods(e)[f"{name} (ours)"]
+            te, blobs = _best(lambda: enc(x))
+            td, _ = _best(lambda: dec(blobs, x))
+            cells += [f"{x.size / te / 1e6:.0f}", f"{x.size / td / 1e6:.0f}"]
+        modes = np.bincount([bl[0] for bl in blobs], minlength=3).tolist()
+        print(f"| {label} | " + " | ".join(cells) + f" | {modes} |")
 
 
 if __name__ == "__main__":

@@ -140,6 +140,31 @@ def ctx_zstd(blob, t, g_count, k, e):
     return [[rows[g * t + row] for g in range(g_count)] for row in range(t)]   # [T][G][K]
 
 
+def xl_zstd(blob, t, g_count, k, e):
+    assert len(blob) >= 1
+    mode, body = blob[0], blob[1:]
+    if mode == 0:
+        return ctx_zstd(body, t, g_count, k, e)
+    assert mode in (1, 2)
+    c = zstandard.ZstdDecompressor().decompressobj().decompress(body)
+    n = t * g_count * k
+    p = 4 if e <= 4 else 2 if e <= 11 or e == 16 else 1 if e <= 256 else 0
+    if mode == 2 or p <= 1:
+        item = 1 if e <= 256 else 2
+        assert len(c) == n * item
+        seq = list(struct.unpack(f"<{n}{'B' if item == 1 else 'H'}", c))
+    else:
+        assert len(c) == -(-n // p)
+        seq = []
+        for byte in c:
+            assert byte < e ** p
+            seq += [byte // e ** (p - 1 - q) % e for q in range(p)]
+        seq = seq[:n]
+    assert all(x < e for x in seq)
+    return [[seq[(row * g_count + g) * k:(row * g_count + g + 1) * k] for g in range(g_count)]
+            for row in range(t)]                                            # [T][G][K]
+
+
 def read_stream(data):
     """-> (header dict, [record dicts with 'routing' as nested lists [T][L_moe][K]])."""
     assert data[:8] == b"\x89RRSC\r\n\x1a"
@@ -185,6 +210,8 @@ def read_stream(data):
                     l0, l1 = dims
                     if codec == "ctx-zstd":
                         part = ctx_zstd(blob, t, l1 - l0, k, e)
+                    elif codec == "xl-zstd":
+                        part = xl_zstd(blob, t, l1 - l0, k, e)
                     elif codec.startswith("ctx-ans"):
                         part = ctx_ans(blob, t, l1 - l0, k, e, codec == "ctx-ans-sorted")
                     else:

@@ -13,7 +13,8 @@ from routereplay.errors import SidecarError
 from routereplay.record import RoutingRecord, WeightVersionSpan
 from routereplay.schema import RoutingSchema
 from routereplay.sidecar import SidecarReader, write_records
-from routereplay.testing import routing_trace
+from routereplay.codec import xl_zstd
+from routereplay.testing import CrossLayerRouting, routing_trace
 from tests import spec_reader
 
 
@@ -315,3 +316,141 @@ def test_ctx_zstd_fuzzed_sections_raise_only_our_error(data):
     except SidecarError:
         return
     assert out.shape == ids.shape and out.dtype == ids.dtype and int(out.max()) < e
+
+
+# ----------------------------------------------------------------- xl-zstd (issue 18)
+
+
+def _phrases(rng, t, g, e, k, vocab=12):
+    """Routing with repeated phrases: each token of a small vocabulary has its own path
+    through the layers (as trained routers route a word), tokens in runs of a few."""
+    paths = np.argsort(rng.random((vocab, g, e)), axis=-1)[..., :k]
+    words = np.repeat(rng.integers(0, vocab, -(-t // 3)), 3)[:t]
+    ids = paths[words]
+    noise = rng.random((t, g)) < 0.05                       # a few rows routed otherwise
+    ids[noise] = np.argsort(rng.random((int(noise.sum()), e)), axis=-1)[:, :k]
+    return ids.astype(np.uint8 if e <= 256 else np.uint16)
+
+
+def _z19(x):
+    return len(zstandard.ZstdCompressor(level=19).compress(x.tobytes()))
+
+
+@settings(max_examples=120, deadline=None)
+@given(data=st.data())
+def test_xl_zstd_roundtrip_and_never_above_zstd19_when_checked(data):
+    e = data.draw(st.sampled_from([2, 3, 4, 8, 12, 16, 60, 256, 300]))
+    k = data.draw(st.integers(1, min(e, 8)))
+    t = data.draw(st.sampled_from([0, 1, 2, 17, 64, 300]))
+    g = data.draw(st.integers(1, 5))
+    rng = np.random.default_rng(data.draw(st.integers(0, 2**31)))
+    kind = data.draw(st.sampled_from(["phrases", "repeats", "uniform"]))
+    if kind == "phrases":
+        ids = _phrases(rng, t, g, e, k)
+    else:
+        ids, _ = routing_trace(rng, t, g, e, k, 0.7 if kind == "repeats" else 0.0,
+                               1.0 if kind == "repeats" else 0.0)
+    blob = _roundtrip(ids, e, "xl-zstd")
+    assert spec_reader.xl_zstd(blob, t, g, k, e) == ids.tolist()
+    strict = xl_zstd.encode(ids, e, check="always")
+    assert len(strict) <= _z19(ids) + 1
+    np.testing.assert_array_equal(codec.decode(strict, "xl-zstd", ids.shape, ids.dtype, e), ids)
+
+
+def test_xl_zstd_takes_each_mode_where_it_pays_and_the_spec_reader_reads_it():
+    rng = np.random.default_rng(3)
+    cases = {
+        0: (routing_trace(rng, 2048, 4, 64, 6, 0.5, 1.0)[0], 64),     # layer-major model
+        1: (_phrases(rng, 2048, 4, 16, 4), 16),                        # token-major paths
+        2: (_phrases(rng, 60, 4, 300, 2), 300),                        # short: plain zstd-19
+    }
+    for mode, (ids, e) in cases.items():
+        blob = _roundtrip(ids, e, "xl-zstd")
+        assert blob[0] == mode, (mode, blob[0])
+        assert spec_reader.xl_zstd(blob, *ids.shape, e) == ids.tolist()
+        assert len(blob) <= len(codec.encode(ids, "ctx-zstd", e)) + 1
+    # NOTE: the case that motivated the codec (issue 18): on routing whose rows follow a
+    # token's path through the layers, ctx-zstd (layer by layer) loses to zstd-19 on the
+    # token-major array; xl-zstd does not.
+    ids, e = cases[1]
+    assert len(codec.encode(ids, "ctx-zstd", e)) > _z19(ids)
+    assert len(codec.encode(ids, "xl-zstd", e)) < 0.75 * len(codec.encode(ids, "ctx-zstd", e))
+
+
+def test_xl_zstd_in_a_stream_partial_reads_and_spec_reader():
+    schema = RoutingSchema(num_hidden_layers=9, moe_layer_ids=tuple(range(1, 9)), top_k=2,
+                           num_experts=8)
+    rng = np.random.default_rng(5)
+    src = CrossLayerRouting.make(rng, 8, 8, 2)
+    recs = [RoutingRecord(f"s{i}", src.sample(rng, t)[0]) for i, t in enumerate([0, 1, 64, 700])]
+    recs.append(RoutingRecord("p", _phrases(rng, 500, 8, 8, 2)))
+    data = write_records(None, schema, recs, layer_group=4, codec="xl-zstd").getvalue()
+    _, got = spec_reader.read_stream(data)
+    for rec, g in zip(recs, got):
+        assert g["routing"] == rec.ids.tolist()
+    r = SidecarReader(data)
+    np.testing.assert_array_equal(r.read("s3", layers=[5, 6]).ids, recs[3].ids[:, 5:7])
+    np.testing.assert_array_equal(r.read("p").ids, recs[4].ids)
+
+
+def test_xl_zstd_corrupt_sections_are_our_error():
+    rng = np.random.default_rng(4)
+    ids = _phrases(rng, 300, 3, 16, 4)
+    blob = codec.encode(ids, "xl-zstd", 16)
+    assert blob[0] == 1
+    shape = ids.shape
+    bad_id = b"\x02" + zstandard.ZstdCompressor().compress(bytes([16]) * ids.size)
+    short = b"\x01" + zstandard.ZstdCompressor().compress(bytes(ids.size // 2 - 1))
+    for bad, why in [(b"", "empty"), (b"\x07" + blob[1:], "unknown mode"),
+                     (blob[:-3], "zstd"), (b"\x01junk", "zstd"), (bad_id, "expert id >= 16"),
+                     (short, "declares")]:
+        with pytest.raises(SidecarError, match=why):
+            codec.decode(bad, "xl-zstd", shape, np.uint8, 16)
+    with pytest.raises(SidecarError, match="uint8"):
+        codec.decode(blob, "xl-zstd", shape, np.uint16, 16)
+    bad_byte = b"\x01" + zstandard.ZstdCompressor().compress(bytes([25]) * 6)     # 5^2 = 25
+    with pytest.raises(SidecarError, match="packed byte >= 25"):
+        codec.decode(bad_byte, "xl-zstd", (2, 3, 2), np.uint8, 5)
+    for i in range(1, len(blob), 5):
+        b = bytearray(blob)
+        b[i] ^= 0x41
+        try:
+            out = codec.decode(bytes(b), "xl-zstd", shape, np.uint8, 16)
+            assert out.shape == shape and out.max() < 16
+        except SidecarError:
+            pass
+
+
+def test_xl_zstd_forged_sizes_never_allocate_what_they_claim():
+    """A frame that does not declare its size and expands far beyond the shape (a zstd
+    bomb), or one that declares a huge size, fails after at most the shape's bytes."""
+    bomb = zstandard.ZstdCompressor(write_content_size=False).compressobj()
+    frame = bomb.compress(bytes(64 << 20)) + bomb.flush()
+    assert len(frame) < 4096
+    for mode, e in ((b"\x01", 8), (b"\x02", 8), (b"\x01", 64)):
+        with pytest.raises(SidecarError, match="holds more than"):
+            codec.decode(mode + frame, "xl-zstd", (100, 2, 2), np.uint8, e)
+    big = zstandard.ZstdCompressor().compress(bytes(1 << 20))
+    with pytest.raises(SidecarError, match="declares"):
+        codec.decode(b"\x02" + big, "xl-zstd", (10, 2, 2), np.uint8, 64)
+    # mode 0 is ctx-zstd, whose bounds tests/test_codec.py checks above
+    with pytest.raises(SidecarError, match="shape allows"):
+        codec.decode(b"\x00" + big, "xl-zstd", (10, 2, 2), np.uint8, 64)
+
+
+def test_cross_layer_source_probabilities_are_exact_and_layers_depend():
+    import itertools
+    src = CrossLayerRouting.make(np.random.default_rng(1), 2, 3, 2, repeat=0.3, coupling=0.7,
+                                 fanout=1)
+    rows = list(itertools.permutations(range(3), 2))
+    total = sum(2.0 ** -src.code_length(np.array(c).reshape(2, 2, 2))
+                for c in itertools.product(rows, repeat=4))
+    assert total == pytest.approx(1.0, abs=1e-12)
+    src = CrossLayerRouting.make(np.random.default_rng(0), 8, 8, 2, repeat=0.0, skew=0.0)
+    ids, rate = src.sample(np.random.default_rng(2), 4000)
+    assert ids.dtype == np.uint8 and ids.shape == (4000, 8, 2) and ids.max() < 8
+    assert (ids[..., 0] != ids[..., 1]).all()
+    assert rate < 0.85 * math.log2(8 * 7)           # uniform popularity: all gain is cross-layer
+    flat = CrossLayerRouting.make(np.random.default_rng(0), 8, 8, 2, repeat=0.0, skew=0.0,
+                                  coupling=0.0).sample(np.random.default_rng(2), 4000)[1]
+    assert flat == pytest.approx(math.log2(8 * 7), rel=0.01)

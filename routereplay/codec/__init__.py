@@ -7,6 +7,10 @@ named by a short string stored in each routing section's metadata (docs/FORMAT.m
   table per layer (routereplay.codec.ctx_zstd). Measured on one core here: 60-360 MB/s
   encode, 300-3200 MB/s decode for top-2 and wider on records of 1K+ tokens; top-1 and
   short records are slower (benchmarks/README.md).
+- ``xl-zstd``: per section the smaller of ``ctx-zstd`` (layer-major) and a token-major
+  zstd frame of packed ids (zstd copies a token's path through the layers from an earlier
+  token: the correlation across layers of trained models' routing), with zstd-19 on the
+  plain array as the fallback that bounds it (routereplay.codec.xl_zstd).
 - ``ctx-ans``: our adaptive context model (repeat flags, popularity ranks with
   exclusion) driving constriction's rANS coder (routereplay.codec.ctx_ans). 2-5 % below
   ``ctx-zstd`` on most traces (11 % with long repeat runs), at 5-30 MB/s. Column order
@@ -22,12 +26,14 @@ from __future__ import annotations
 
 import numpy as np
 
-from routereplay.codec import ctx_ans, ctx_zstd, layer_major
+from routereplay.codec import ctx_ans, ctx_zstd, layer_major, xl_zstd
 from routereplay.codec.layer_major import bounded_zstd_decompress
 from routereplay.errors import SidecarError
 
 DEFAULT_CODEC = "ctx-zstd"
-CODECS = ("ctx-zstd", "ctx-ans", "ctx-ans-sorted", "zstd-lm", "raw-lm")
+CODECS = ("ctx-zstd", "xl-zstd", "ctx-ans", "ctx-ans-sorted", "zstd-lm", "raw-lm")
+
+_MODEL_CODECS = ("ctx-zstd", "xl-zstd", "ctx-ans", "ctx-ans-sorted")    # need num_experts
 
 __all__ = ["CODECS", "DEFAULT_CODEC", "encode", "decode", "bounded_zstd_decompress"]
 
@@ -35,7 +41,8 @@ __all__ = ["CODECS", "DEFAULT_CODEC", "encode", "decode", "bounded_zstd_decompre
 def encode(ids: np.ndarray, codec: str = DEFAULT_CODEC, num_experts: int | None = None) -> bytes:
     """Encode ids [T, L_g, top_k] (uint8 or uint16) with ``codec``.
 
-    ``num_experts`` (logical routed experts) is required by the ``ctx-*`` codecs.
+    ``num_experts`` (logical routed experts) is required by the ``ctx-*`` and ``xl-zstd``
+    codecs.
 
     Raises:
         ValueError: unknown codec, wrong dtype, or ids the codec cannot represent (out of
@@ -45,10 +52,12 @@ def encode(ids: np.ndarray, codec: str = DEFAULT_CODEC, num_experts: int | None 
         raise ValueError(f"ids must be uint8 or uint16, got {ids.dtype}")
     if codec in ("raw-lm", "zstd-lm"):
         return layer_major.encode(ids, codec)
-    if codec.startswith("ctx-") and num_experts is None:
+    if codec in _MODEL_CODECS and num_experts is None:
         raise ValueError(f"codec {codec!r} needs num_experts")
     if codec == "ctx-zstd":
         return ctx_zstd.encode(ids, num_experts)
+    if codec == "xl-zstd":
+        return xl_zstd.encode(ids, num_experts)
     if codec in ("ctx-ans", "ctx-ans-sorted"):
         return ctx_ans.encode(ids, num_experts, sorted_rows=codec == "ctx-ans-sorted")
     raise ValueError(f"unknown codec {codec!r}; known: {CODECS}")
@@ -62,13 +71,13 @@ def decode(data: bytes, codec: str, shape: tuple[int, int, int], dtype: np.dtype
 
     Raises:
         SidecarError: unknown codec, a shape that is not three non-negative ints, a
-            num_experts below 1 (``ctx-*``), or bytes that do not decode to ``shape``.
+            num_experts below 1 (``ctx-*``, ``xl-zstd``), or bytes that do not decode to ``shape``.
     """
     if len(shape) != 3 or any(isinstance(n, bool) or not isinstance(n, (int, np.integer))
                               or n < 0 for n in shape) or shape[2] < 1:
         raise SidecarError(f"routing section shape {tuple(shape)} is not [T, layers, top_k >= 1]")
     shape = tuple(int(n) for n in shape)
-    if codec.startswith("ctx-"):
+    if codec in _MODEL_CODECS:
         if num_experts is None:
             raise SidecarError(f"codec {codec!r} needs num_experts")
         if isinstance(num_experts, bool) or not isinstance(num_experts, (int, np.integer)) \
@@ -78,6 +87,8 @@ def decode(data: bytes, codec: str, shape: tuple[int, int, int], dtype: np.dtype
         return layer_major.decode(data, codec, shape, dtype)
     if codec == "ctx-zstd":
         return ctx_zstd.decode(data, shape, dtype, num_experts)
+    if codec == "xl-zstd":
+        return xl_zstd.decode(data, shape, dtype, num_experts)
     if codec in ("ctx-ans", "ctx-ans-sorted"):
         return ctx_ans.decode(data, shape, dtype, num_experts, sorted_rows=codec == "ctx-ans-sorted")
     raise SidecarError(f"unknown routing codec {codec!r}; known: {CODECS}")
