@@ -149,3 +149,14 @@ def test_multi_turn_merge_keeps_the_earlier_turn_in_any_order():
         assert np.array_equal(m.expert_ids[:10], full[:10])       # turn 1's rows, never dropped
         assert np.array_equal(m.expert_ids[10:], resent[10:])
         assert m.recomputed == [(4, 5)] or m.recomputed == [(3, 6)]
+
+
+def test_sample_keys_follow_the_caller_never_renamed():
+    from engine_patches.vllm.records import sample_key
+    assert sample_key("uid-7") == sample_key("uid-7", 0) == "uid-7"
+    assert sample_key("uid-7", 2) == "uid-7@2"
+    assert sample_key("uid-7", aborted=True) == "uid-7!aborted"
+    assert sample_key("uid-7", 1, aborted=True) == "uid-7@1!aborted"
+    for bad in (-1, True, "2"):
+        with pytest.raises(RecordError, match="uid-7.*attempt must be an integer"):
+            sample_key("uid-7", bad)
