@@ -54,3 +54,37 @@ def test_unsupported_vllm_logs_one_line_without_traceback(tmp_path):
     assert "Traceback" not in p.stderr and "Failed to load plugin" not in p.stderr
     assert "engine_patches.vllm.capture" not in p.stdout
     assert not (tmp_path / "s.rrsc").exists()
+
+
+def test_engine_env_sets_only_what_the_machine_needs():
+    from engine_patches.vllm.harness import triton_cpu
+    env = triton_cpu.engine_env({})
+    assert "VLLM_USE_V2_MODEL_RUNNER" not in env     # vLLM 0.32 picks Model Runner V2 itself
+    if triton_cpu._has_cuda():
+        assert env == {}
+    else:
+        assert set(env) == {"PYTHONPATH", "TRITON_INTERPRET"}
+        assert env["PYTHONPATH"] == triton_cpu.SITE_DIR
+
+
+def test_weight_transfer_sources_map_to_vllm_update_info():
+    import numpy as np
+
+    from engine_patches.vllm.weight_sync import FromWeightTransfer, update_info
+    from routereplay.errors import ConfigError
+    from routereplay.weight_sync import FromDistributed, FromTensors
+    src = FromDistributed(["a", "b"], ["bfloat16", "float32"], [[2, 3], [4]],
+                          extra={"ipc_handles_pickled": "x"})
+    assert update_info(src) == {"names": ["a", "b"], "dtype_names": ["bfloat16", "float32"],
+                                "shapes": [[2, 3], [4]], "ipc_handles_pickled": "x"}
+    with pytest.warns(DeprecationWarning, match="FromWeightTransfer"):
+        old = FromWeightTransfer({"names": ["a"], "dtype_names": ["float32"], "shapes": [[1]],
+                                  "packed": True})
+    assert isinstance(old, FromDistributed) and old.update_info == {
+        "names": ["a"], "dtype_names": ["float32"], "shapes": [[1]], "packed": True}
+    with pytest.raises(ConfigError, match="2 names, 1 dtypes"):
+        FromDistributed(["a", "b"], ["float32"], [[1], [1]])
+    # the example: a dict of tensors is taken as its items, not unpacked wrongly
+    assert FromTensors({"w": np.zeros(2)}).named_tensors[0][0] == "w"
+    with pytest.raises(ConfigError, match="FromTensors: item 0"):
+        FromTensors([("w",)])
