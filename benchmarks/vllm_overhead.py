@@ -1,5 +1,7 @@
 """vLLM throughput: routed-experts capture off, native capture on, capture + sidecar
-streaming (the routereplay plugin), in one run.
+streaming (the routereplay plugin), and the same with references handed to clients
+(ROUTEREPLAY_RESPONSE=reference: each record encoded and flushed on the output path before
+its reference leaves), in one run.
 
     .venv/bin/python benchmarks/vllm_overhead.py [--prompts 8] [--max-tokens 32] [--reps 3]
 
@@ -58,20 +60,24 @@ def measure(capture: bool, a: argparse.Namespace) -> dict[str, list[float]]:
     tmp = tempfile.mkdtemp(prefix="rr-vllm-")
     schema = RoutingSchema.from_hf_config(model)
     times: dict[str, list[float]] = {"native capture": [], "capture + sidecar": [],
-                                     "plugin share": []}
+                                     "capture + sidecar, references": [], "plugin share": [],
+                                     "plugin share, references": []}
     for rep in range(a.reps):
         times["native capture"].append(run())
-        path = os.path.join(tmp, f"rep{rep}.rrsc")
-        plugin.install(path, schema=schema)
-        t0 = time.perf_counter()
-        times["capture + sidecar"].append(run())
-        wall = time.perf_counter() - t0
-        plugin.flush()
-        written = plugin.stats()["written"]
-        times["plugin share"].append(plugin.stats()["seconds"] / wall)
-        plugin.uninstall()
-        with SidecarReader(path) as r:
-            assert len(r.sample_ids()) == written == len(prompts)
+        for reference, cond, share in ((False, "capture + sidecar", "plugin share"),
+                                       (True, "capture + sidecar, references",
+                                        "plugin share, references")):
+            path = os.path.join(tmp, f"rep{rep}-{int(reference)}.rrsc")
+            plugin.install(path, schema=schema, reference=reference)
+            t0 = time.perf_counter()
+            times[cond].append(run())
+            wall = time.perf_counter() - t0
+            plugin.flush()
+            written = plugin.stats()["written"]
+            times[share].append(plugin.stats()["seconds"] / wall)
+            plugin.uninstall()
+            with SidecarReader(path) as r:
+                assert len(r.sample_ids()) == written == len(prompts)
     return times
 
 
@@ -97,13 +103,17 @@ def main() -> None:
     off = statistics.median(times["capture off"])
     print(f"vLLM, tiny model fp32, {a.prompts} prompts x {a.max_tokens} tokens, median of "
           f"{a.reps} rounds")
-    print(f"{'condition':<20}{'tokens/s':>10}{'vs native capture':>19}{'vs capture off':>16}")
-    for c in ("capture off", "native capture", "capture + sidecar"):
+    print(f"{'condition':<32}{'tokens/s':>10}{'vs native capture':>19}{'vs capture off':>16}")
+    for c in ("capture off", "native capture", "capture + sidecar",
+              "capture + sidecar, references"):
         med = statistics.median(times[c])
-        print(f"{c:<20}{med:>10.2f}{med / base:>19.4f}{med / off:>16.4f}")
+        print(f"{c:<32}{med:>10.2f}{med / base:>19.4f}{med / off:>16.4f}")
     share = statistics.median(times.pop("plugin share"))
-    print(f"time in the plugin on vLLM's output path (records built and queued; encoding runs "
-          f"on the writer thread): {100 * share:.3f} % of generate wall time")
+    share_ref = statistics.median(times.pop("plugin share, references"))
+    print(f"time in the plugin on vLLM's output path: {100 * share:.3f} % of generate wall time "
+          f"(records built and queued; encoding runs on the writer thread); "
+          f"{100 * share_ref:.3f} % with references (encoded and flushed before the reference "
+          "leaves)")
     print("rounds (tokens/s): " + "; ".join(f"{c}: " + ", ".join(f"{x:.1f}" for x in v)
                                            for c, v in times.items()))
 

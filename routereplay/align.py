@@ -352,8 +352,11 @@ def fill_dummy(ids: np.ndarray, num_experts: int) -> np.ndarray:
     """Rows without routing -> distinct dummy ids (for dispatchers that need exactly top_k
     distinct experts per row and no trainer fallback).
 
-    Row n of every layer gets ``(n * K + arange(K)) % num_experts``: distinct within the row
-    (K <= num_experts) and spread over experts so no expert is flooded.
+    In every layer, the j-th row without routing (j = 0, 1, ... in token order) gets
+    ``(j * K + arange(K)) % num_experts``: distinct within the row (K <= num_experts), and
+    the layer's dummy rows together walk the experts round-robin, so per-expert counts
+    differ by at most 1 (NOTE: numbering by the row's own index instead would flood a few
+    experts when the rows without routing are spaced regularly, e.g. every other row).
 
     Args:
         ids: int64 [N, L, K]; returned as a new array.
@@ -361,8 +364,8 @@ def fill_dummy(ids: np.ndarray, num_experts: int) -> np.ndarray:
     out = ids.copy()
     miss = (out == MISSING).all(-1)                 # [N, L]
     if miss.any():
-        n, k = out.shape[0], out.shape[2]
-        dummy = (np.arange(n)[:, None] * k + np.arange(k)[None]) % num_experts   # [N, K]
+        k = out.shape[2]
+        j = np.cumsum(miss, axis=0) - 1             # [N, L]: index among the layer's dummy rows
         r, l = np.nonzero(miss)
-        out[r, l] = dummy[r]
+        out[r, l] = (j[r, l][:, None] * k + np.arange(k)[None]) % num_experts
     return out

@@ -12,8 +12,10 @@ Input kinds (``routereplay convert --from KIND``):
   (base64 of ``np.save`` bytes), either bare or inside a JSON object (a completion
   response with ``choices[*].routed_experts``, or ``{"id": ..., "routed_experts": ...}``).
 - ``sglang-b64``: text, one sample per line: SGLang's ``meta_info.routed_experts``
-  (base64 of flat little-endian int32, ``[T, num_hidden_layers, top_k]``), bare or inside
-  a JSON object (``{"meta_info": {"id": ..., "routed_experts": ...}}`` or
+  (base64 of flat little-endian int32, ``[T, num_hidden_layers, top_k + F]`` with F the
+  fused shared-expert columns the payload carries, ``num_fused_shared_experts``, 0 by
+  default and for SGLang 0.5.23), bare or inside a JSON object read by
+  :func:`routereplay.wire.sglang_fields` (a ``/generate`` or OpenAI response, or
   ``{"id": ..., "routed_experts": ...}``).
 
 Bare lines get the sample id ``<file stem>-<line number>`` (1-based). Nothing is
@@ -82,21 +84,23 @@ def parse_layers(spec: str) -> list[int]:
 
 
 def to_record(sample_id: str, arr: np.ndarray, schema: RoutingSchema, *,
-              full_layout: bool | None = None) -> RoutingRecord:
+              full_layout: bool | None = None, id_hint=None) -> RoutingRecord:
     """Integer ids [T, L, top_k] -> RoutingRecord with ids [T, L_moe, top_k] (schema dtype).
 
     ``full_layout``: True if L is num_hidden_layers (dense layers dropped), False if L is
-    L_moe, None to decide from L.
+    L_moe, None to decide from L. ``id_hint``: see routereplay.record.checked_moe_ids.
 
     Raises:
         RecordError: wrong shape or dtype, or an id outside [0, num_experts), naming
-            sample, token and layer (see routereplay.record.checked_moe_ids).
+            sample, token and layer; non-zero routing on a layer the schema calls dense
+            (see routereplay.record.checked_moe_ids).
     """
     if full_layout is None:
         nl = arr.shape[1] if isinstance(arr, np.ndarray) and arr.ndim == 3 else None
         full_layout = nl == schema.num_hidden_layers and nl != schema.num_moe_layers
     rec = RoutingRecord(sample_id=sample_id,
-                        expert_ids=checked_moe_ids(arr, schema, sample_id, full_layout=full_layout))
+                        expert_ids=checked_moe_ids(arr, schema, sample_id, full_layout=full_layout,
+                                                   id_hint=id_hint))
     rec.validate(schema)
     return rec
 
@@ -154,8 +158,10 @@ def iter_arrays(path: str) -> Iterator[tuple[str, np.ndarray]]:
         raise RecordError(f"{path}: not a readable .npy/.npz array file ({e})") from None
 
 
-def iter_b64(path: str, kind: str, schema: RoutingSchema) -> Iterator[tuple[str, np.ndarray]]:
-    """(sample_id, array [T, num_hidden_layers, top_k]) per line of a vllm-b64 / sglang-b64 file."""
+def iter_b64(path: str, kind: str, schema: RoutingSchema, *, num_fused_shared_experts: int = 0
+             ) -> Iterator[tuple[str, np.ndarray]]:
+    """(sample_id, array [T, num_hidden_layers, top_k]) per line of a vllm-b64 / sglang-b64
+    file (sglang-b64: ``num_fused_shared_experts`` columns per row are dropped)."""
     stem = os.path.splitext(os.path.basename(path))[0]
     found = False
     with open(path, "rb") as f:
@@ -166,14 +172,15 @@ def iter_b64(path: str, kind: str, schema: RoutingSchema) -> Iterator[tuple[str,
             if len(line) > MAX_LINE_BYTES:
                 raise RecordError(f"{path}:{lineno}: line longer than {MAX_LINE_BYTES} bytes")
             default_id = f"{stem}-{lineno}"
-            for sid, b64 in _payloads(line, default_id, f"{path}:{lineno}"):
+            for sid, b64 in _payloads(line, default_id, f"{path}:{lineno}", kind):
                 found = True
-                yield sid, _decode_b64(b64, kind, schema, sid)
+                yield sid, _decode_b64(b64, kind, schema, sid, num_fused_shared_experts)
     if not found:
         raise RecordError(f"{path}: no routing payloads (the file is empty)")
 
 
-def _payloads(line: bytes, default_id: str, where: str) -> list[tuple[str, str | bytes]]:
+def _payloads(line: bytes, default_id: str, where: str,
+              kind: str = "vllm-b64") -> list[tuple[str, str | bytes]]:
     if not line.startswith(b"{"):
         return [(default_id, line)]
     try:
@@ -182,6 +189,17 @@ def _payloads(line: bytes, default_id: str, where: str) -> list[tuple[str, str |
         raise RecordError(f"{where}: not JSON: {e!r}"[:300]) from None
     if not isinstance(obj, dict):
         raise RecordError(f"{where}: expected a JSON object")
+    if kind == "sglang-b64":                       # one parser of SGLang responses
+        try:
+            f = wire.sglang_fields(obj)
+        except RecordError as e:
+            raise RecordError(f"{where}: {e}") from None
+        sid = str(f.id) if f.id is not None else default_id
+        if not isinstance(f.routed_experts, str):
+            raise RecordError(f"{where}: sample {sid!r} has no routed_experts string (is capture "
+                              "on? SGLang: --enable-return-routed-experts and "
+                              "return_routed_experts=True)")
+        return [(sid, f.routed_experts)]
     if isinstance(obj.get("choices"), list):                       # OpenAI-style response
         rid = str(obj["id"]) if obj.get("id") is not None else default_id
         out = []
@@ -203,21 +221,29 @@ def _payloads(line: bytes, default_id: str, where: str) -> list[tuple[str, str |
     return [(str(sid), b64)]
 
 
-def _decode_b64(b64: str | bytes, kind: str, schema: RoutingSchema, sid: str) -> np.ndarray:
+def _decode_b64(b64: str | bytes, kind: str, schema: RoutingSchema, sid: str,
+                num_fused_shared_experts: int = 0) -> np.ndarray:
     if not b64.strip():
         raise RecordError(f"sample {sid!r}: routed_experts is empty")
+    if kind == "sglang-b64":
+        try:
+            full = wire.decode_sglang_b64_int32(b64, schema.num_hidden_layers, schema.top_k,
+                                                num_fused_shared_experts=num_fused_shared_experts)
+            return wire.split_fused_shared_columns(full, schema.top_k, schema.num_experts)
+        except RecordError as e:
+            raise RecordError(f"sample {sid!r}: {e}") from None
     try:
-        if kind == "sglang-b64":
-            return wire.decode_sglang_b64_int32(b64, schema.num_hidden_layers, schema.top_k)
         raw = base64.b64decode(b64, validate=True)
     except (binascii.Error, ValueError) as e:
-        raise RecordError(f"sample {sid!r}: {e}" if kind == "sglang-b64" else
-                          f"sample {sid!r}: routed_experts is not base64 ({e})") from None
+        raise RecordError(f"sample {sid!r}: routed_experts is not base64 ({e})") from None
     return load_npy(io.BytesIO(raw), len(raw), f"sample {sid!r}: routed_experts")
 
 
-def iter_records(kind: str, path: str, schema: RoutingSchema) -> Iterator[RoutingRecord]:
-    """Records of ``path`` read as ``kind`` (see the module docstring).
+def iter_records(kind: str, path: str, schema: RoutingSchema, *,
+                 num_fused_shared_experts: int = 0) -> Iterator[RoutingRecord]:
+    """Records of ``path`` read as ``kind`` (see the module docstring);
+    ``num_fused_shared_experts``: fused shared-expert columns per row of ``sglang-b64``
+    payloads (never guessed from the byte count).
 
     Raises:
         RecordError: unreadable input or a bad sample (named), when reached.
@@ -228,5 +254,8 @@ def iter_records(kind: str, path: str, schema: RoutingSchema) -> Iterator[Routin
         for sid, arr in iter_arrays(path):
             yield to_record(sid, arr, schema, full_layout=True if kind == "vllm" else None)
     else:
-        for sid, arr in iter_b64(path, kind, schema):
-            yield to_record(sid, arr, schema, full_layout=True)
+        hint = (wire.sglang_id_hint(schema.num_experts, num_fused_shared_experts)
+                if kind == "sglang-b64" else None)
+        for sid, arr in iter_b64(path, kind, schema,
+                                 num_fused_shared_experts=num_fused_shared_experts):
+            yield to_record(sid, arr, schema, full_layout=True, id_hint=hint)

@@ -4,7 +4,9 @@ A later turn re-sends the conversation so far as its prompt and asks only for th
 does not have (vLLM ``routed_experts_prompt_start``, SGLang ``routed_experts_start_len``):
 segment i covers token positions [start_i, start_i + T_i).
 
-Which row wins where segments overlap: the EARLIER segment. Its rows are the routing the
+Which row wins where segments overlap: the EARLIER turn (the segment that starts first;
+among segments with the same start, the one that ends first: a later turn's sequence
+extends the earlier one's, so it is never shorter). Its rows are the routing the
 engine used when it sampled those tokens and computed their log-probs; a later turn
 re-prefills them (from the prefix cache, or recomputed after a cache flush or a weight
 update). Overlapping rows that differ are kept from the earlier segment and their
@@ -36,8 +38,10 @@ def merge_segments(segments: Sequence[RoutingRecord], sample_id: str) -> Routing
             token position ``start_i``.
         sample_id: id of the merged record.
     Returns:
-        a record from position ``min(start_i)``: earlier segments win on overlaps (see the
-        module docstring); token_ids, prompt_len and engine of the turn that reaches
+        a record from position ``min(start_i)``: earlier turns win on overlaps, whatever
+        the order of ``segments`` (see the module docstring), and every overlapping row a
+        later turn computed differently is listed in ``recomputed`` (never dropped
+        silently); token_ids, prompt_len and engine of the turn that reaches
         furthest (its sequence holds the whole conversation; every other turn's tokens must
         be a prefix of it); log-probs dropped (they belong to single turns);
         weight-version, prefix-cache and recomputed spans clipped to the rows each segment
@@ -48,7 +52,10 @@ def merge_segments(segments: Sequence[RoutingRecord], sample_id: str) -> Routing
     """
     if not segments:
         raise RecordError(f"sample {sample_id!r}: no segments to merge")
-    segs = sorted(segments, key=lambda r: r.start)
+    # NOTE: (start, end), not start alone: a turn resent in full after a weight update starts
+    # where the first turn did; ordering by start only would let the caller's list order
+    # decide, and the later turn's rows would replace the ones that produced the tokens.
+    segs = sorted(segments, key=lambda r: (r.start, r.start + r.num_tokens))
     shape = segs[0].expert_ids.shape[1:]
     if any(r.expert_ids.shape[1:] != shape or r.expert_ids.dtype != segs[0].expert_ids.dtype for r in segs):
         raise RecordError(f"sample {sample_id!r}: segments differ in layers, top_k or dtype")

@@ -9,7 +9,7 @@ token is never fed through the model, so it has no row.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
 
@@ -229,20 +229,39 @@ def rows_for_positions(record: RoutingRecord, positions: Sequence[int]) -> np.nd
     return (p >= record.start) & (p < record.start + record.num_tokens)
 
 
+def eplb_id_hint(value: int, dtype: np.dtype, num_experts: int) -> str:
+    """The default hint for an expert id outside [0, num_experts) (see checked_moe_ids)."""
+    dt = np.dtype(dtype)
+    if dt.kind == "u" and value == np.iinfo(dt).max:
+        return (f" (the largest {dt} value: a -1 sentinel stored as unsigned, i.e. a padded "
+                "or missing row)")
+    if value >= num_experts:
+        return (" (a physical EPLB replica slot? routing must be recorded as logical expert "
+                "ids, before the EPLB mapping)")
+    return ""
+
+
 def checked_moe_ids(arr: np.ndarray, schema: RoutingSchema, sample_id: str, *, start: int = 0,
-                    full_layout: bool = True) -> np.ndarray:
+                    full_layout: bool = True,
+                    id_hint: Callable[[int], str] | None = None) -> np.ndarray:
     """An engine's integer ids -> the record's ids, range-checked before narrowing.
 
     Args:
         arr: int [T, num_hidden_layers, top_k] (``full_layout``: vLLM/SGLang layout, dense
             layers zero-filled) or int [T, L_moe, top_k].
         start: token position of row 0 (for error messages).
+        id_hint: value -> text appended to the out-of-range error (default
+            :func:`eplb_id_hint`: the EPLB replica-slot hint for ids >= num_experts, the
+            wrapped-sentinel hint for the largest unsigned value).
     Returns:
         ids of ``schema.id_dtype`` [T, L_moe, top_k], a copy.
     Raises:
-        RecordError: wrong shape, or an id outside [0, num_experts), naming sample, token
-            position and decoder layer. NOTE: the range is checked before the cast to the
-            id dtype, which would wrap 258 -> 2 and a -1 sentinel -> 255.
+        RecordError: wrong shape; an id outside [0, num_experts); or, in the full layout,
+            non-zero routing on a layer the schema calls dense (the engine routed it, so
+            the schema's MoE placement does not match the model: never dropped silently);
+            naming sample, token position and decoder layer. NOTE: the range is checked
+            before the cast to the id dtype, which would wrap 258 -> 2 and a -1 sentinel
+            -> 255.
     """
     want = schema.num_hidden_layers if full_layout else schema.num_moe_layers
     if not isinstance(arr, np.ndarray) or arr.ndim != 3 or arr.dtype.kind not in "iu" \
@@ -252,13 +271,35 @@ def checked_moe_ids(arr: np.ndarray, schema: RoutingSchema, sample_id: str, *, s
             f"{getattr(arr, 'dtype', type(arr))}, expected integer [T, {want} "
             f"({'num_hidden_layers' if full_layout else 'MoE layers'}), top_k={schema.top_k}]")
     layer_ids = list(schema.moe_layer_ids)
+    if full_layout and schema.dense_layer_ids():
+        dense = list(schema.dense_layer_ids())
+        routed = arr[:, dense].any(-1)                           # [T, L_dense]
+        if routed.any():
+            t, l = divmod(int(np.argmax(routed.reshape(-1))), len(dense))
+            raise RecordError(
+                f"sample {sample_id!r}, token {start + t}, layer {dense[l]}: the engine routed "
+                f"this token to experts {arr[t, dense[l]].tolist()} on a layer the schema calls "
+                f"dense (MoE layers {_layer_ranges(layer_ids)}): the routing schema does not "
+                "match the model's MoE layer placement")
     moe = arr[:, layer_ids] if full_layout else arr
     bad = (moe < 0) | (moe >= schema.num_experts)
     if bad.any():
-        t, l, k = (int(x) for x in np.argwhere(bad)[0])
+        t, l, k = np.unravel_index(int(np.argmax(bad.reshape(-1))), bad.shape)
         v = int(moe[t, l, k])
-        hint = (" (a physical EPLB replica slot? routing must be recorded as logical expert "
-                "ids, before the EPLB mapping)") if v >= schema.num_experts else ""
-        raise RecordError(f"sample {sample_id!r}, token {start + t}, layer {layer_ids[l]}: "
-                          f"expert id {v} outside [0, {schema.num_experts}){hint}")
+        hint = (id_hint or (lambda x: eplb_id_hint(x, arr.dtype, schema.num_experts)))(v)
+        raise RecordError(f"sample {sample_id!r}, token {start + int(t)}, layer "
+                          f"{layer_ids[int(l)]}: expert id {v} outside "
+                          f"[0, {schema.num_experts}){hint}")
     return np.ascontiguousarray(moe.astype(schema.id_dtype))
+
+
+def _layer_ranges(ids: Sequence[int]) -> str:
+    """[1, 2, 3, 5] -> '1-3,5'."""
+    out, i = [], 0
+    while i < len(ids):
+        j = i
+        while j + 1 < len(ids) and ids[j + 1] == ids[j] + 1:
+            j += 1
+        out.append(str(ids[i]) if i == j else f"{ids[i]}-{ids[j]}")
+        i = j + 1
+    return ",".join(out)

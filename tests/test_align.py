@@ -172,3 +172,18 @@ def test_shard_and_row_shape_errors(schema):
         align.check_rows(np.zeros((2, 1, 3), np.int64), tm, schema, [1], ["a", "b"])
     with pytest.raises(AlignmentError, match="names sample #1 but only 1 sample ids"):
         align.check_rows(np.full((2, 1, 4), -1, np.int64), tm, schema, [1], ["a"])
+
+
+def test_fill_dummy_balances_experts():
+    # issue 16 item 6: 30 dummy rows over 16 experts (top-4), rows scattered among routed
+    # ones: every expert gets the same number of dummy assignments, +-1, in every layer
+    ids = np.zeros((60, 2, 4), np.int64) + np.arange(4)
+    ids[::2] = align.MISSING                                 # 30 rows without routing
+    ids[1::4, 1] = align.MISSING                             # layer 1: 15 more
+    out = align.fill_dummy(ids, 16)
+    for layer in range(2):
+        miss = (ids[:, layer] == align.MISSING).all(-1)
+        counts = np.bincount(out[miss, layer].ravel(), minlength=16)
+        assert counts.max() - counts.min() <= 1, (layer, counts)
+    srt = np.sort(out, -1)
+    assert (srt[..., 1:] != srt[..., :-1]).all()

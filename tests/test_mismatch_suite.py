@@ -81,7 +81,9 @@ def test_weight_sync_keep_abort_wait_on_async_engine(tiny_model, rollouts):
     salt). Abort mode aborts the request in flight: vLLM returns the complete routing of
     the tokens it did generate (P + G - 1 rows, all under the version that generated them),
     so it is a valid record. Wait mode lets the request in flight finish on the old weights
-    first. The plugin streamed the same records."""
+    first. A framework's own update followed by after_weight_update_async behaves like a
+    sync. The plugin streamed the same records, one closed stream per version, the aborted
+    attempt under its own key."""
     import json
 
     from routereplay.sidecar import SidecarReader
@@ -90,27 +92,45 @@ def test_weight_sync_keep_abort_wait_on_async_engine(tiny_model, rollouts):
         res = json.load(f)
     assert res["keep"]["mode"] == "keep" and res["keep"]["prefix_cache_reset"] is False
     assert res["abort"]["mode"] == "abort" and res["abort"]["prefix_cache_reset"] is True
-    assert res["cached"] == {"warm": 0, "after": 0, "post-abort": 0}
+    assert res["cached"] == {"warm": 0, "after": 0, "post-abort": 0, "after-own": 0}
+    own = res["own"]
+    assert own["mode"] == "none" and own["prefix_cache_reset"] and own["moe_reprepacked"] == 3
     assert res["aborted_finish_reason"] == "abort" and 8 <= res["aborted_tokens"] < 400
     assert res["abort_error"] is None
     # wait mode: the request in flight ran to its end on the old weights, then the update
     assert res["wait"]["mode"] == "wait" and res["wait"]["prefix_cache_reset"] is True
     assert res["waited_finish_reason"] == "length"
     recs = {r.sample_id: r for r in SidecarReader(str(rollouts / "keep.rrsc")).records()}
-    ab = recs["abortme"]
+    ab = recs["abortme!aborted"]            # an aborted attempt is stored under its own key
     assert ab.num_tokens == len(ab.token_ids) - 1 == ab.prompt_len + res["aborted_tokens"] - 1
     for sid, model, version in (("warm", tiny_model, "v1"), ("after", str(rollouts / "v2"), "v2"),
                                 ("post-abort", tiny_model, "v3"),
-                                ("abortme", str(rollouts / "v2"), "v2"),
+                                ("abortme!aborted", str(rollouts / "v2"), "v2"),
                                 ("waitme", tiny_model, "v3"),
-                                ("after-wait", str(rollouts / "v2"), "v4")):
+                                ("after-wait", str(rollouts / "v2"), "v4"),
+                                ("after-own", tiny_model, "v5")):
         r = recs[sid]
         _, (h,) = hf_records(model, [r.token_ids.tolist()], prompt_len=1)
         assert np.array_equal(np.sort(r.expert_ids, -1), np.sort(h.expert_ids, -1)), sid
         assert {s.version for s in r.weight_versions} == {version}, sid
     st = res["plugin"]
-    assert st["written"] == 7 and st["aborted"] == 0 and st["missing"] == 0
-    plug = {r.sample_id: r for r in SidecarReader(st["path"]).records()}
+    assert st["written"] == 8 and st["aborted"] == 0 and st["missing"] == 0
+    assert st["duplicates"] == 0 and st["errors"] == 0
+    # one closed, indexed stream per version; each record in the stream of its last version
+    assert [(s["weight_version"], s["closed"]) for s in st["streams"]] == [
+        (v, True) for v in ("v1", "v2", "v3", "v4", "v5")], st["streams"]
+    assert res["closed_last"] == st["streams"][-1]["path"]
+    assert own["stream_closed"] == st["streams"][3]["path"]
+    plug = {}
+    for s in st["streams"]:
+        with SidecarReader(s["path"]) as r:
+            assert r.scan()[-1] is not None
+            for x in r.records():
+                assert x.weight_versions[-1].version == s["weight_version"], x.sample_id
+                plug[x.sample_id] = x
+    # the caller's request ids are the keys; the aborted attempt has its own
+    assert "abortme" not in plug and "abortme!aborted" in plug
+    assert set(plug) == set(recs)
     for sid, r in recs.items():
         assert np.array_equal(plug[sid].expert_ids, r.expert_ids) and plug[sid].weight_versions == r.weight_versions
 

@@ -11,9 +11,9 @@ import pytest
 
 from engine_patches.sglang.client import SGLangRoutingClient, next_start, with_routing
 from engine_patches.sglang.records import record_from_response, record_from_stream
-from engine_patches.sglang.weight_sync import (FromDisk, FromDistributed, FromTensor,
-                                               SGLangWeightSync, WeightSyncError)
-from routereplay.errors import RecordError
+from engine_patches.sglang.weight_sync import SGLangWeightSync
+from routereplay.errors import ConfigError, RecordError, WeightSyncError
+from routereplay.weight_sync import FromCheckpoint, FromDistributed, FromTensors
 from routereplay.schema import RoutingSchema
 from routereplay.multi_turn import merge_segments
 from routereplay.sidecar import SidecarReader, SidecarWriter
@@ -99,9 +99,12 @@ def test_openai_response_and_stream():
 def test_fused_shared_expert_columns():
     f = FIX["fused_shared"]
     schema = RoutingSchema.from_hf_config(f["config"])        # DeepSeek-like: layer 0 dense
-    rec = record_from_response(f["response"], schema, num_fused_shared_experts=1)
+    # SGLang 0.5.23 strips the fused column from the response: the payload is top_k wide
+    rec = record_from_response(f["response"], schema)
     np.testing.assert_array_equal(rec.expert_ids, np.array(f["truth"])[:, 1:])
-    # an older layout that still carries the -1-padded shared column
+    with pytest.raises(RecordError, match="req-fused.*pass num_fused_shared_experts=0"):
+        record_from_response(f["response"], schema, num_fused_shared_experts=1, start_len=0)
+    # an older layout that still carries the -1-padded shared column: width stated
     full = np.array(f["truth"], dtype="<i4")
     wide = np.concatenate([full, np.full(full.shape[:2] + (1,), -1, "<i4")], axis=2)
     resp = json.loads(json.dumps(f["response"]))
@@ -136,7 +139,8 @@ def test_bad_payloads_name_the_request():
         record_from_response(CASES["flag_off"]["response"], SCHEMA)
     with pytest.raises(RecordError, match="req-basic.*start_len 7 outside \\[0, prompt length 6\\]"):
         record_from_response(CASES["basic"]["response"], SCHEMA, start_len=7)
-    with pytest.raises(RecordError, match="'req-basic': 9 routing rows, expected"):
+    with pytest.raises(RecordError, match="'req-basic': routing row-count mismatch: .* = 9 rows "
+                       ".*implies 7 rows"):
         record_from_response(CASES["basic"]["response"], SCHEMA, start_len=2)
     with pytest.raises(RecordError, match="req-basic.*not base64"):
         record_from_response(_with_payload("basic", raw=None, routed_experts="@@@"), SCHEMA)
@@ -154,7 +158,7 @@ def test_bad_payloads_name_the_request():
     short = _with_payload("basic", truth[:-1])
     assert record_from_response(short, SCHEMA).start == 1          # inferred: looks like start 1
     short["routed_experts_start_len"] = 0
-    with pytest.raises(RecordError, match="8 routing rows, expected"):
+    with pytest.raises(RecordError, match="row-count mismatch: .* = 8 rows .*implies 9 rows"):
         record_from_response(short, SCHEMA)
     oa = json.loads(json.dumps(CASES["openai"]["response"]))
     oa["choices"].append(dict(oa["choices"][0], index=1))
@@ -255,17 +259,18 @@ def test_client_streams_records_into_a_sidecar(sglang_server):
 
 
 @pytest.mark.parametrize("mode,source,want", [
-    ("abort", FromDisk("/ckpt/step2"), ["/pause_generation", "/update_weights_from_disk",
-                                        "/continue_generation"]),
-    ("keep", FromTensor(["AAAA"]), ["/pause_generation", "/update_weights_from_tensor",
-                                    "/continue_generation", "/flush_cache"]),
+    ("abort", FromCheckpoint("/ckpt/step2"), ["/pause_generation", "/update_weights_from_disk",
+                                              "/continue_generation"]),
+    ("keep", FromTensors(serialized=["AAAA"]), ["/pause_generation", "/update_weights_from_tensor",
+                                                "/continue_generation", "/flush_cache"]),
     ("wait", FromDistributed(["w"], ["bfloat16"], [[2, 2]]), ["/update_weights_from_distributed"]),
     ("abort", None, ["/pause_generation", "/update_weight_version", "/flush_cache",
                      "/continue_generation"]),
 ])
 def test_weight_sync_sequences(sglang_server, mode, source, want):
-    calls = SGLangWeightSync(sglang_server).sync(source, "v2", mode=mode)
-    assert calls == want == [c[0] for c in _FakeSGLang.calls]
+    rep = SGLangWeightSync(sglang_server).sync(source, "v2", mode=mode)
+    assert rep.calls == want == [c[0] for c in _FakeSGLang.calls]
+    assert rep.version == "v2" and rep.mode == mode and rep.seconds
     sent = dict((c[0], c[1]) for c in _FakeSGLang.calls)
     if mode != "wait":
         assert sent["/pause_generation"]["mode"] == {"abort": "abort", "keep": "in_place"}[mode]
@@ -281,17 +286,41 @@ def test_weight_sync_failure_resumes_and_names_the_step(sglang_server):
     _FakeSGLang.fail = {"/update_weights_from_disk": (400, {"success": False,
                                                             "message": "shape mismatch"})}
     with pytest.raises(WeightSyncError, match="failed at update_weights.*HTTP 400.*shape mismatch"):
-        SGLangWeightSync(sglang_server).sync(FromDisk("/bad"), "v3", mode="abort")
+        SGLangWeightSync(sglang_server).sync(FromCheckpoint("/bad"), "v3", mode="abort")
     assert [c[0] for c in _FakeSGLang.calls][-1] == "/continue_generation"
     with pytest.raises(ValueError, match="retract.*allow_retract"):
-        SGLangWeightSync(sglang_server).sync(FromDisk("/x"), "v3", mode="retract")
+        SGLangWeightSync(sglang_server).sync(FromCheckpoint("/x"), "v3", mode="retract")
     _FakeSGLang.fail = {}
-    calls = SGLangWeightSync(sglang_server).sync(FromDisk("/x"), "v3", mode="retract", allow_retract=True)
-    assert calls == ["/pause_generation", "/update_weights_from_disk", "/continue_generation",
-                     "/flush_cache"]
+    rep = SGLangWeightSync(sglang_server).sync(FromCheckpoint("/x"), "v3", mode="retract",
+                                               allow_retract=True)
+    assert rep.calls == ["/pause_generation", "/update_weights_from_disk", "/continue_generation",
+                         "/flush_cache"]
     assert _FakeSGLang.calls[-4][1]["mode"] == "retract"
     assert _FakeSGLang.calls[-3][1]["flush_cache"] is False     # SGLang would fail the update
+    # a bad source is refused before the server is paused, naming the source
     _FakeSGLang.calls = []
-    with pytest.raises(TypeError):
+    with pytest.raises(ConfigError, match="unknown weight source str"):
         SGLangWeightSync(sglang_server).sync("not a source", "v4")
-    assert [c[0] for c in _FakeSGLang.calls] == ["/pause_generation", "/continue_generation"]
+    with pytest.raises(ConfigError, match="FromTensors for SGLang needs serialized="):
+        SGLangWeightSync(sglang_server).sync(FromTensors({"w": np.zeros(2)}), "v4")
+    assert _FakeSGLang.calls == []
+
+
+def test_weight_sync_composes_with_a_framework_update_path(sglang_server):
+    ws = SGLangWeightSync(sglang_server, initial_version="v0")          # the first version
+    assert _FakeSGLang.calls[-1][:2] == ("/update_weight_version",
+                                         {"new_version": "v0", "abort_all_requests": False})
+    _FakeSGLang.calls = []
+    rep = ws.after_weight_update("v1", drain_timeout_s=5)
+    assert rep.calls == ["/update_weight_version", "/flush_cache"] == [c[0] for c in _FakeSGLang.calls]
+    assert _FakeSGLang.calls[-1][2] == "timeout=5" and rep.version == "v1"
+    _FakeSGLang.fail = {"/flush_cache": (500, {"error": "busy"})}
+    with pytest.raises(WeightSyncError, match="v2.*failed at /flush_cache.*HTTP 500"):
+        ws.after_weight_update("v2")
+    # the old names stay one release, with a warning
+    from engine_patches.sglang.weight_sync import FromDisk, FromTensor
+    with pytest.warns(DeprecationWarning, match="FromDisk"):
+        old = FromDisk("/ckpt")
+    assert isinstance(old, FromCheckpoint) and old.model_path == old.path == "/ckpt"
+    with pytest.warns(DeprecationWarning, match="FromTensor"):
+        assert FromTensor(["AAAA"]).serialized == ("AAAA",)

@@ -53,7 +53,8 @@ def server(tiny_model):
 
 def test_real_sglang_routing_and_weight_sync(server):
     from engine_patches.sglang.client import SGLangRoutingClient, next_start
-    from engine_patches.sglang.weight_sync import FromDisk, SGLangWeightSync
+    from engine_patches.sglang.weight_sync import SGLangWeightSync
+    from routereplay.weight_sync import FromCheckpoint
     from routereplay.schema import RoutingSchema
     from routereplay.multi_turn import merge_segments
     url, model = server
@@ -70,7 +71,7 @@ def test_real_sglang_routing_and_weight_sync(server):
     conv = merge_segments([rec, rec2], "conv")
     assert conv.num_tokens == len(turn2) + 16 - 1
     assert rec2.prefix_cached and rec2.prefix_cached[0][1] > 0     # turn 1 came from the cache
-    calls = SGLangWeightSync(url).sync(FromDisk(model), "v2", mode="abort")
+    calls = SGLangWeightSync(url).sync(FromCheckpoint(model), "v2", mode="abort").calls
     assert calls[0] == "/pause_generation" and calls[-1] == "/continue_generation"
     resp3, rec3 = client.generate({"input_ids": prompt, "sampling_params": sp})
     assert resp3["meta_info"]["weight_version"] == "v2"

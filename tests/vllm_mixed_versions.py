@@ -40,11 +40,11 @@ async def keep_update(model, v2, out, switch_at=16):
 
     from engine_patches.vllm import plugin
     from routereplay.errors import RecordError
-    from engine_patches.vllm.weight_sync import FromCheckpoint, WeightSync
+    from engine_patches.vllm.weight_sync import (FromCheckpoint, WeightSync,
+                                                 after_weight_update_async)
     eng = AsyncLLM.from_engine_args(AsyncEngineArgs(model=model, **ENGINE))
     sync = WeightSync(eng)
-    await eng.update_weight_version("v1")
-    sync.salt.version = "v1"
+    await sync.set_version_async("v1")                  # the first version, public API
     schema = RoutingSchema.from_hf_config(model)
     long_prompt = TokensPrompt(prompt_token_ids=np.random.default_rng(11).integers(
         3, 500, 300).tolist())
@@ -92,15 +92,21 @@ async def keep_update(model, v2, out, switch_at=16):
             rep_wait = True
     rep_wait = await sync_task
     after_wait = await run(long_prompt, greedy, "after-wait")
+    # 6. a framework's own update path (vLLM's reload, here), then what must follow it
+    await eng.collective_rpc("reload_weights", kwargs={"weights_path": model})
+    rep_own = await after_weight_update_async(eng, "v5")
+    after_own = await run(long_prompt, greedy, "after-own")
     write_records(os.path.join(out, "keep.rrsc"), schema, [
         record_from_output(x, schema, engine="vllm")
-        for x in (final, warm, after, post, waited, after_wait)] + extra)
-    plugin.flush()
+        for x in (final, warm, after, post, waited, after_wait, after_own)] + extra)
+    closed_last = plugin.rotate()                       # close the last version's stream
     with open(os.path.join(out, "sync.json"), "w") as f:
         json.dump({"keep": rep.__dict__, "abort": rep_abort.__dict__, "wait": rep_wait.__dict__,
+                   "own": rep_own.as_dict(), "closed_last": closed_last,
                    "waited_finish_reason": waited.outputs[0].finish_reason,
                    "cached": {"warm": warm.num_cached_tokens, "after": after.num_cached_tokens,
-                              "post-abort": post.num_cached_tokens},
+                              "post-abort": post.num_cached_tokens,
+                              "after-own": after_own.num_cached_tokens},
                    "aborted_finish_reason": aborted.outputs[0].finish_reason,
                    "aborted_tokens": len(aborted.outputs[0].token_ids),
                    "abort_error": abort_error, "plugin": plugin.stats()}, f)

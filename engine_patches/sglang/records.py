@@ -1,23 +1,18 @@
 """SGLang responses -> routing records.
 
-Accepted response shapes (SGLang 0.5.23, ``sglang/srt/managers/tokenizer_manager.py`` and
-``entrypoints/openai/serving_completions.py``):
-
-- ``/generate`` (and ``Engine.generate``): ``{"text", "output_ids", "meta_info": {"id",
-  "prompt_tokens", "completion_tokens", "cached_tokens", "weight_version",
-  "weight_versions": [{"version", "start", "end"}], "num_retractions",
-  "routed_experts": base64 int32, "output_token_logprobs": [[logprob, token_id, text]]}}``.
-- OpenAI ``/v1/completions`` and ``/v1/chat/completions``: ``{"id", "choices", "usage":
-  {"prompt_tokens", "completion_tokens", "prompt_tokens_details": {"cached_tokens"}},
-  "metadata": {"weight_version", "weight_versions"}, "sglext": {"routed_experts"}}``
-  (0.5.23 puts ``sglext`` on the response; older releases put ``sgl_ext`` on each choice).
-- Streaming: routing arrives only in the final chunk; see :func:`record_from_stream`.
+Accepted response shapes: those of :func:`routereplay.wire.sglang_fields` (``/generate``,
+``Engine.generate``, the OpenAI endpoints; SGLang 0.5.7 to 0.5.23), the one parser of SGLang
+responses. Streaming: routing arrives only in the final chunk; see
+:func:`record_from_stream`.
 
 Rows: ``routed_experts`` covers token positions [start_len, seqlen - 1) with seqlen =
 prompt_tokens + completion_tokens; start_len is the request's ``routed_experts_start_len``
-(inferred from the row count when not given). Dense layers are zero-filled and stripped
-with the schema; fused shared-expert columns (``-1`` padding, or ids >= num_experts) are
-dropped when the payload carries them.
+(inferred from the row count when not given). Dense layers are zero-filled: they are
+stripped with the schema, and a non-zero dense row is an error (the schema does not match
+the model). Fused shared-expert columns: the payload's row width is top_k +
+``num_fused_shared_experts`` as the caller states it (0 for SGLang 0.5.23, which strips
+them), never guessed from the byte count; the fused columns (``-1`` padding or shared
+expert ids >= num_experts) are dropped.
 """
 from __future__ import annotations
 
@@ -37,45 +32,6 @@ FLAG_HINT = ("launch the SGLang server with --enable-return-routed-experts (Engi
              "request (OpenAI endpoints: extra_body)")
 
 
-def _fields(resp: Mapping[str, Any]) -> dict[str, Any]:
-    """Normalise a /generate or OpenAI response to the fields the adapter needs."""
-    if not isinstance(resp, Mapping):
-        raise RecordError(f"SGLang response must be a JSON object, got {type(resp).__name__}")
-    if isinstance(resp.get("meta_info"), Mapping):                          # /generate
-        m = resp["meta_info"]
-        out = {"id": m.get("id"), "routed_experts": m.get("routed_experts"),
-               "prompt_tokens": m.get("prompt_tokens"),
-               "completion_tokens": m.get("completion_tokens"),
-               "cached_tokens": m.get("cached_tokens", 0),
-               "weight_version": m.get("weight_version"),
-               "weight_versions": m.get("weight_versions"),
-               "num_retractions": m.get("num_retractions", 0),
-               "output_ids": resp.get("output_ids"),
-               "output_logprobs": m.get("output_token_logprobs")}
-        if out["completion_tokens"] is None and isinstance(resp.get("output_ids"), list):
-            out["completion_tokens"] = len(resp["output_ids"])
-        return out
-    if isinstance(resp.get("choices"), list):                               # OpenAI
-        usage = resp.get("usage") if isinstance(resp.get("usage"), Mapping) else {}
-        meta = resp.get("metadata") if isinstance(resp.get("metadata"), Mapping) else {}
-        ext = resp.get("sglext") or {}
-        routed = ext.get("routed_experts") if isinstance(ext, Mapping) else None
-        choices = resp["choices"]
-        if routed is None and choices and isinstance(choices[0], Mapping):
-            ch_ext = choices[0].get("sgl_ext") or {}
-            routed = ch_ext.get("routed_experts") if isinstance(ch_ext, Mapping) else None
-        details = usage.get("prompt_tokens_details") or {}
-        return {"id": resp.get("id"), "routed_experts": routed, "num_choices": len(choices),
-                "prompt_tokens": usage.get("prompt_tokens"),
-                "completion_tokens": usage.get("completion_tokens"),
-                "cached_tokens": (details.get("cached_tokens") if isinstance(details, Mapping)
-                                  else 0) or 0,
-                "weight_version": meta.get("weight_version"),
-                "weight_versions": meta.get("weight_versions"),
-                "num_retractions": 0, "output_ids": None, "output_logprobs": None}
-    raise RecordError("not an SGLang response: no meta_info (/generate) and no choices (OpenAI)")
-
-
 def _int(v: Any, what: str, rid: str) -> int:
     if isinstance(v, bool) or not isinstance(v, int) or v < 0:
         raise RecordError(f"request {rid!r}: {what} missing or not a non-negative integer ({v!r})")
@@ -83,40 +39,41 @@ def _int(v: Any, what: str, rid: str) -> int:
 
 
 def decode_routed_experts(b64: str, schema: RoutingSchema, rid: str,
-                          num_fused_shared_experts: int = 0) -> np.ndarray:
+                          num_fused_shared_experts: int = 0,
+                          rows: int | None = None) -> np.ndarray:
     """SGLang's base64 int32 payload -> int32 [rows, num_hidden_layers, top_k].
 
-    A payload whose rows are top_k + num_fused_shared_experts wide has the extra columns
-    (``-1`` padding or shared-expert ids >= num_experts) dropped.
-
+    Args:
+        num_fused_shared_experts: fused shared-expert columns the payload carries per row
+            (see routereplay.wire.decode_sglang_b64_int32); they are dropped.
+        rows: the row count the request implies, when known (checked).
     Raises:
-        RecordError: not base64, or a length that is not a whole number of rows.
+        RecordError: naming the request: not base64, a row-count mismatch, not whole rows,
+            or routed ids in the fused columns.
     """
-    k, s = schema.top_k, num_fused_shared_experts
     try:
-        full = wire.decode_sglang_b64_int32(b64, schema.num_hidden_layers, k,
-                                            (k + s,) if s else ())
-    except ValueError as e:
+        full = wire.decode_sglang_b64_int32(b64, schema.num_hidden_layers, schema.top_k,
+                                            num_fused_shared_experts=num_fused_shared_experts,
+                                            rows=rows)
+        return wire.split_fused_shared_columns(full, schema.top_k, schema.num_experts)
+    except RecordError as e:
         raise RecordError(f"request {rid!r}: {e}") from None
-    if full.shape[2] > k:
-        extra = full[..., k:]
-        if not ((extra == -1) | (extra >= schema.num_experts)).all():
-            raise RecordError(f"request {rid!r}: fused shared-expert columns hold routed expert ids")
-        full = full[..., :k]
-    return full
 
 
 def record_from_response(resp: Mapping[str, Any], schema: RoutingSchema, *,
                          start_len: int | None = None, prompt_ids: Sequence[int] | None = None,
                          sample_id: str | None = None, num_fused_shared_experts: int = 0,
                          engine: str = "sglang") -> RoutingRecord:
-    """See :func:`_record_from_response`; any malformed field becomes a RecordError naming
-    the request (never a TypeError/ValueError from deep inside)."""
+    """See :func:`_record_from_response`. Our own RecordErrors pass through unchanged; any
+    other malformed field (a TypeError/ValueError from deep inside) becomes one RecordError
+    naming the request."""
     try:
         return _record_from_response(resp, schema, start_len=start_len, prompt_ids=prompt_ids,
                                      sample_id=sample_id,
                                      num_fused_shared_experts=num_fused_shared_experts,
                                      engine=engine)
+    except RecordError:
+        raise
     except (TypeError, ValueError, OverflowError, AttributeError, IndexError, KeyError) as e:
         rid = None
         if isinstance(resp, Mapping):
@@ -133,7 +90,7 @@ def _record_from_response(resp: Mapping[str, Any], schema: RoutingSchema, *,
     """One SGLang response -> a validated RoutingRecord.
 
     Args:
-        resp: a ``/generate`` or OpenAI response dict (see the module docstring).
+        resp: a ``/generate`` or OpenAI response dict (routereplay.wire.sglang_fields).
         start_len: the request's ``routed_experts_start_len``; None takes it from the
             response if a client stored it there (``routed_experts_start_len`` next to
             ``meta_info``), else infers it from the row count (seqlen - 1 - rows). NOTE: an
@@ -142,6 +99,8 @@ def _record_from_response(resp: Mapping[str, Any], schema: RoutingSchema, *,
         prompt_ids: the request's prompt token ids, to store token_ids (prompt + output).
         sample_id: record id; default the request id (meta_info ``id``, or the OpenAI
             response ``id``).
+        num_fused_shared_experts: fused shared-expert columns the payload carries per row
+            (0 for SGLang 0.5.23, which strips them).
     Returns:
         record with ids [seqlen - 1 - start_len, L_moe, top_k] from position start_len;
         weight-version spans over token positions (output spans mapped as in
@@ -153,39 +112,54 @@ def _record_from_response(resp: Mapping[str, Any], schema: RoutingSchema, *,
         then carry the last span's version; ``prefix_cached`` = [0, cached_tokens).
     Raises:
         RecordError: naming the request: routed_experts missing (says which flag), not
-            base64, not whole rows, a row count that does not fit the token counts,
-            start_len greater than the prompt length, ids out of range.
+            base64, a row count that does not fit the token counts (a row-count mismatch),
+            start_len greater than the prompt length, ids out of range, non-zero routing
+            on a layer the schema calls dense.
     """
-    f = _fields(resp)
-    rid = str(f["id"] if f["id"] is not None else sample_id)
-    if f.get("num_choices", 1) > 1:
-        raise RecordError(f"request {rid!r}: OpenAI response with {f['num_choices']} choices: "
+    f = wire.sglang_fields(resp)
+    rid = str(f.id if f.id is not None else sample_id)
+    if f.num_choices > 1:
+        raise RecordError(f"request {rid!r}: OpenAI response with {f.num_choices} choices: "
                           "SGLang returns only the first choice's routing while usage counts all "
                           "of them; send n=1 per request")
-    if start_len is None and isinstance(resp.get("routed_experts_start_len"), int):
-        start_len = resp["routed_experts_start_len"]
+    if start_len is None and isinstance(f.start_len, int):
+        start_len = f.start_len
     if start_len is not None and (isinstance(start_len, bool) or not isinstance(start_len, int)):
         raise RecordError(f"request {rid!r}: start_len must be an integer, got {start_len!r}")
     sid = str(sample_id if sample_id is not None else rid)
-    if not isinstance(f["routed_experts"], str):
+    if not isinstance(f.routed_experts, str):
         raise RecordError(f"request {rid!r}: the response has no routed_experts; {FLAG_HINT}")
-    prompt_len = _int(f["prompt_tokens"], "prompt_tokens", rid)
-    gen = _int(f["completion_tokens"], "completion_tokens", rid)
+    prompt_len = _int(f.prompt_tokens, "prompt_tokens", rid)
+    gen = _int(f.completion_tokens, "completion_tokens", rid)
     seqlen = prompt_len + gen
-    full = decode_routed_experts(f["routed_experts"], schema, rid, num_fused_shared_experts)
-    rows = full.shape[0]
-    if start_len is None:
-        start_len = seqlen - 1 - rows
-    if not 0 <= start_len <= prompt_len:
+    if start_len is not None and not 0 <= start_len <= prompt_len:
         raise RecordError(f"request {rid!r}: routed_experts_start_len {start_len} outside "
                           f"[0, prompt length {prompt_len}]")
-    if rows != max(0, seqlen - 1 - start_len):
-        raise RecordError(
-            f"request {rid!r}: {rows} routing rows, expected seqlen - 1 - start_len = "
-            f"{seqlen} - 1 - {start_len} = {seqlen - 1 - start_len} ({prompt_len} prompt + "
-            f"{gen} output tokens)")
-    ids = checked_moe_ids(np.ascontiguousarray(full), schema, sid, start=start_len)
-    spans = f["weight_versions"]
+    want = None if start_len is None else max(0, seqlen - 1 - start_len)
+    full = decode_routed_experts(f.routed_experts, schema, rid, num_fused_shared_experts,
+                                 rows=want)
+    rows = full.shape[0]
+    if start_len is None:
+        # NOTE: the row count decides the start here; one that no start in [0, prompt
+        # length] explains is a row-count mismatch, not a bad start.
+        lo, hi = max(0, seqlen - 1 - prompt_len), seqlen - 1
+        if not lo <= rows <= hi:
+            nbytes = rows * schema.num_hidden_layers * (schema.top_k + num_fused_shared_experts) * 4
+            fits = [f for f in range(wire.MAX_FUSED_SHARED_EXPERTS + 1)
+                    if f != num_fused_shared_experts
+                    and nbytes % (row := 4 * schema.num_hidden_layers * (schema.top_k + f)) == 0
+                    and lo <= nbytes // row <= hi]
+            raise RecordError(
+                f"request {rid!r}: routing row-count mismatch: {rows} rows for {prompt_len} "
+                f"prompt + {gen} output tokens; routed_experts covers [start_len, seqlen - 1) "
+                f"with start_len in [0, {prompt_len}], i.e. {lo} to {hi} rows"
+                + (f" (rows of width top_k + {fits[0]} would fit: does the payload carry "
+                   f"fused shared-expert columns? pass num_fused_shared_experts={fits[0]})"
+                   if fits else ""))
+        start_len = seqlen - 1 - rows
+    ids = checked_moe_ids(np.ascontiguousarray(full), schema, sid, start=start_len,
+                          id_hint=wire.sglang_id_hint(schema.num_experts, num_fused_shared_experts))
+    spans = f.weight_versions
     if isinstance(spans, list) and spans:
         try:
             out_spans = [(s["version"], int(s["start"]), int(s["end"])) for s in spans]
@@ -198,29 +172,29 @@ def _record_from_response(resp: Mapping[str, Any], schema: RoutingSchema, *,
                                   f"spans over the {gen} output tokens"[:400])
             prev = b
         versions = output_spans_to_rows(out_spans, prompt_len)
-    elif f["weight_version"] is not None:
-        versions = output_spans_to_rows([(str(f["weight_version"]), 0, gen)], prompt_len)
+    elif f.weight_version is not None:
+        versions = output_spans_to_rows([(str(f.weight_version), 0, gen)], prompt_len)
     else:
         versions = []
-    nret = _int(f["num_retractions"] or 0, "num_retractions", rid)
+    nret = _int(f.num_retractions or 0, "num_retractions", rid)
     recomputed = [(start_len, start_len + rows)] if nret and rows else []
     if nret and versions:
         # NOTE: a retracted request is re-prefilled, so its rows were (re)computed after the
         # retraction, under the version current then, in practice the last one; the output
         # spans above tell which version sampled each token, not which computed the rows.
         versions = output_spans_to_rows([(versions[-1].version, 0, gen)], prompt_len)
-    cached = _int(f["cached_tokens"] or 0, "cached_tokens", rid)
+    cached = _int(f.cached_tokens or 0, "cached_tokens", rid)
     if cached > seqlen:
         raise RecordError(f"request {rid!r}: cached_tokens {cached} > sequence length {seqlen}")
     token_ids = logprobs = None
-    if prompt_ids is not None and isinstance(f["output_ids"], list):
-        token_ids = np.asarray(list(prompt_ids) + list(f["output_ids"]), dtype=np.int32)
+    if prompt_ids is not None and isinstance(f.output_ids, list):
+        token_ids = np.asarray(list(prompt_ids) + list(f.output_ids), dtype=np.int32)
         if len(prompt_ids) != prompt_len:
             raise RecordError(f"request {rid!r}: {len(prompt_ids)} prompt ids given, the "
                               f"response says prompt_tokens={prompt_len}")
-    if token_ids is not None and isinstance(f["output_logprobs"], list) \
-            and len(f["output_logprobs"]) == gen:
-        logprobs = np.array([float(x[0]) for x in f["output_logprobs"]], dtype=np.float32)
+    if token_ids is not None and isinstance(f.output_logprobs, list) \
+            and len(f.output_logprobs) == gen:
+        logprobs = np.array([float(x[0]) for x in f.output_logprobs], dtype=np.float32)
     rec = RoutingRecord(sample_id=sid, expert_ids=ids, start=start_len, prompt_len=prompt_len,
                         token_ids=token_ids, logprobs=logprobs if token_ids is not None else None,
                         weight_versions=versions, recomputed=recomputed,

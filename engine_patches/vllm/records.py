@@ -19,14 +19,33 @@ from routereplay.schema import RoutingSchema
 from routereplay.weight_versions import output_spans_to_rows
 
 
+def sample_key(sample_id: str, attempt: int | None = None, *, aborted: bool = False) -> str:
+    """The key a completion's record is stored under (the identity rule of routereplay's
+    vLLM side, the plugin's and :func:`record_from_output`'s): the caller's sample id; with
+    an attempt number > 0, ``<id>@<attempt>``; an aborted completion, ``<key>!aborted``, so
+    a retry that reuses the id is stored under the id itself and a trainer asking for the
+    id never gets the aborted attempt. Keys are never renamed: a key already in a stream is
+    refused (SidecarWriter.write, the plugin)."""
+    if attempt is not None and (isinstance(attempt, bool) or not isinstance(attempt, int)
+                                or attempt < 0):
+        raise RecordError(f"sample {sample_id!r}: attempt must be an integer >= 0, got {attempt!r}")
+    key = str(sample_id) if not attempt else f"{sample_id}@{attempt}"
+    return f"{key}!aborted" if aborted else key
+
+
 def record_from_output(output: Any, schema: RoutingSchema, *, sample_id: str | None = None,
-                       start: int = 0, engine: str = "vllm") -> RoutingRecord:
+                       attempt: int | None = None, start: int = 0,
+                       engine: str = "vllm") -> RoutingRecord:
     """Build a validated RoutingRecord from one ``vllm.RequestOutput`` (first completion).
 
     Args:
         output: a finished ``vllm.RequestOutput``.
         schema: the model's routing schema (dense layers are stripped with it).
-        sample_id: record id; default the request id.
+        sample_id: the caller's id of the sample (the RL framework's uid); default the
+            request id (``AsyncLLM.generate(request_id=...)``: the caller's choice too).
+        attempt: the caller's attempt number; the record is keyed :func:`sample_key`
+            (``<id>@<attempt>`` for attempt > 0, ``<key>!aborted`` for an aborted
+            completion).
         start: the request's ``routed_experts_prompt_start``.
     Returns:
         record with ids [P + G - 1 - start, L_moe, top_k], token ids, sampled-token
@@ -36,8 +55,9 @@ def record_from_output(output: Any, schema: RoutingSchema, *, sample_id: str | N
         RecordError: routing missing (engine started without --enable-return-routed-experts
             or request aborted), wrong row count, bad ids (names sample, token, layer).
     """
-    sid = str(sample_id if sample_id is not None else output.request_id)
     c = output.outputs[0]
+    sid = sample_key(str(sample_id if sample_id is not None else output.request_id), attempt,
+                     aborted=str(getattr(c, "finish_reason", None)) == "abort")
     return record_from_parts(
         sid, schema, prompt=list(output.prompt_token_ids or []), generated=list(c.token_ids),
         routed_experts=c.routed_experts, start=start, logprobs=c.logprobs,

