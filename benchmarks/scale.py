@@ -439,8 +439,10 @@ class RankResult:
     requests: int = 0
     bytes_decoded: int = 0
     share: int = 0                            # ids this rank needs (its layers x tokens), uint8
-    fetch_seconds: float = 0.0
-    load_seconds: float = 0.0                 # fetch + token map + gather + check
+    fetch_seconds: float = 0.0                # wall time in fetch (noisy on shared cores)
+    load_seconds: float = 0.0                 # fetch + token map + gather + check (wall)
+    fetch_cpu: float = 0.0                    # process CPU time in fetch (steadier)
+    load_cpu: float = 0.0
     peak_held: int = 0                        # held in flight + transient of a load
     peak_inflight_share: int = 0              # most in-flight (incl. prefetched) share
     peak_transient: int = 0
@@ -518,7 +520,7 @@ def simulate_rank(kind: str, paths: Sequence[str], written: Written, plan: Plan,
             layers = chunk_layers[c]
             tracemalloc.reset_peak()
             base = tracemalloc.get_traced_memory()[0]
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.process_time()
             tmap = align.token_map(layout, shard)
             fetched: dict[int, dict[tuple[int, int], tuple[np.ndarray, int]]] = {}
             share = 0
@@ -526,7 +528,7 @@ def simulate_rank(kind: str, paths: Sequence[str], written: Written, plan: Plan,
             for j, runs in tmap.ranges().items():
                 src = readers[written.stream_of[sids[j]]]
                 tracemalloc.reset_peak()
-                tf = time.perf_counter()
+                tf, cf = time.perf_counter(), time.process_time()
                 if per_run:       # the replayer on main today: read() once per token run
                     got = []
                     for lo, hi in runs:
@@ -535,6 +537,7 @@ def simulate_rank(kind: str, paths: Sequence[str], written: Written, plan: Plan,
                 else:
                     got = src.fetch(sids[j], layers, runs)
                 res.fetch_seconds += time.perf_counter() - tf
+                res.fetch_cpu += time.process_time() - cf
                 reader_peak = max(reader_peak, tracemalloc.get_traced_memory()[1] - base)
                 fetched[j] = dict(zip(runs, got))
                 for ids, _ in got:
@@ -545,6 +548,7 @@ def simulate_rank(kind: str, paths: Sequence[str], written: Written, plan: Plan,
             align.check_rows(ids, tmap, schema, chunk_lids[c], sids)
             held = ids.astype(np.int16)           # what RouterReplayer keeps ([N, L_local, K])
             res.load_seconds += time.perf_counter() - t0
+            res.load_cpu += time.process_time() - c0
             transient = max(tracemalloc.get_traced_memory()[1] - base, reader_peak)
             sizes[(m, c)] = (held.nbytes, share, transient, reader_peak)
             res.share += share
@@ -584,6 +588,27 @@ def simulate_rank(kind: str, paths: Sequence[str], written: Written, plan: Plan,
             share -= s
             live.discard(x)
     return res
+
+
+def encode_rates(schema: RoutingSchema, geos: Sequence[v3.Geometry], spec: StepSpec,
+                 tokens: int = 8192) -> dict[str, float]:
+    """Encode speed, MB/s of uint8 ids, of one ``tokens``-token record on one core (best of
+    3): the product's version-2 payload and each prototype geometry."""
+    from routereplay.sidecar.payload import encode_record_payload
+    rng = np.random.default_rng([spec.seed, 4])
+    ids = RoutingGenerator(schema, spec.skew, spec.repeat, spec.seed).ids(rng, tokens)
+    rec = RoutingRecord("speed", ids)
+    fns = {"v2 today": lambda: encode_record_payload(rec, schema, layer_group=spec.layer_group)}
+    fns.update({f"v3 {g}": (lambda g=g: v3.encode_record(rec, schema, g)) for g in geos})
+    out = {}
+    for name, fn in fns.items():
+        best = float("inf")
+        for _ in range(3):
+            t0 = time.perf_counter()
+            fn()
+            best = min(best, time.perf_counter() - t0)
+        out[name] = ids.nbytes / best / 1e6
+    return out
 
 
 def naive_decode_rate(schema: RoutingSchema, rows: int = 4096) -> float:
@@ -683,7 +708,8 @@ def naive_ranks(schema: RoutingSchema, written: Written, rate: float,
     return [dataclasses.replace(RankResult(r.coord), bytes_read=b, requests=1, bytes_decoded=b,
                                 share=r.share, peak_held=b, peak_held_reader=b,
                                 peak_inflight_share=r.peak_inflight_share,
-                                fetch_seconds=b / rate, load_seconds=b / rate)
+                                fetch_seconds=b / rate, load_seconds=b / rate,
+                                fetch_cpu=b / rate, load_cpu=b / rate)
             for r in rs]
 
 
@@ -718,8 +744,11 @@ def rank_table(schemes: dict[str, list[RankResult]], stored: dict[str, int],
     row("peak held, replayer today: int16 in flight + load transient", lambda n, r: r.peak_held)
     row("  / in-flight share", lambda n, r: r.peak_held / max(1, r.peak_inflight_share),
         fmt=lambda x: f"{x:.3g}")
-    row("decode time (s, in fetch)", lambda n, r: r.fetch_seconds, fmt=lambda x: f"{x:.3f}")
-    row("load time (s, + align/check)", lambda n, r: r.load_seconds, fmt=lambda x: f"{x:.3f}")
+    row("decode CPU time, s (in fetch)", lambda n, r: r.fetch_cpu, fmt=lambda x: f"{x:.3f}")
+    row("  wall time, s (shared cores: noisy)", lambda n, r: r.fetch_seconds,
+        fmt=lambda x: f"{x:.3f}")
+    row("load CPU time, s (+ token map, gather, check)", lambda n, r: r.load_cpu,
+        fmt=lambda x: f"{x:.3f}")
     return lines
 
 
@@ -729,13 +758,13 @@ def choice_table(schemes: dict[str, list[RankResult]], stored: dict[str, int],
     (median / max over ranks)."""
     v2 = stored["v2 today"]
     lines = ["| scheme | stored vs v2 | read / share | decoded / share | peak held (reader) / "
-             "in-flight share | requests | decode s |", "|---|---|---|---|---|---|---|"]
+             "in-flight share | requests | decode CPU s |", "|---|---|---|---|---|---|---|"]
     for n, rs in schemes.items():
         ratio = stored[n] / raw_routing
         cells = [med_max([r.bytes_read / max(1.0, r.share * ratio) for r in rs]),
                  med_max([r.bytes_decoded / max(1, r.share) for r in rs]),
                  med_max([r.peak_held_reader / max(1, r.peak_inflight_share) for r in rs]),
-                 med_max([r.requests for r in rs]), med_max([r.fetch_seconds for r in rs])]
+                 med_max([r.requests for r in rs]), med_max([r.fetch_cpu for r in rs])]
         lines.append(f"| {n} | {stored[n] / v2:.4f} | " + " | ".join(
             f"{a:.3g} / {b:.3g}" for a, b in cells) + " |")
     return lines
@@ -779,7 +808,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--layout", default="", help="e.g. tp=8,ep=64,pp=16,vpp=2,cp=2,dp=4,sp=on,"
                     "mb_tokens=8192[,pp_layout=...]")
-    ap.add_argument("--v3", default="512:2", help="prototype geometries TOKEN_BLOCK:LAYER_GROUP, "
+    ap.add_argument("--v3", default="512:1", help="prototype geometries TOKEN_BLOCK:LAYER_GROUP, "
                     "comma-separated ('' for none)")
     ap.add_argument("--coords", help="DP,CP,TP coordinates to simulate, ';'-separated")
     ap.add_argument("--all-ranks", action="store_true")
@@ -848,6 +877,9 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
                     if len(m) == 1 and written.lengths[m[0]] > par.mb_tokens)
         print()
         print("\n".join(step_table(spec, schema, written)))
+        enc = encode_rates(schema, geos, spec)
+        print("Encode speed, one 8192-token record, one core (MB/s of uint8 ids): "
+              + ", ".join(f"{n} {v:.0f}" for n, v in enc.items()))
         print()
         print(f"Microbatches per DP rank: {min(n_mb)}-{max(n_mb)} ({alone} samples longer than "
               f"{par.mb_tokens} tokens, each alone in its microbatch)")
@@ -864,6 +896,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         report = {"spec": dataclasses.asdict(spec), "layout": dataclasses.asdict(par),
                   "tokens": int(written.lengths.sum()), "routing_rows": written.routing_rows,
                   "stored": stored, "raw_routing": raw, "naive_decode_rate": rate,
+                  "encode_mb_s": enc,
                   "ranks": {n: [dataclasses.asdict(r) for r in rs] for n, rs in res.items()}}
         if a.growth:
             report["growth"] = growth(spec, par, schema, coords, a.prefetch, geos, workdir, res,
@@ -880,7 +913,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
 
 def _medians(rs: list[RankResult]) -> dict[str, float]:
     return {k: statistics.median([getattr(r, k) for r in rs])
-            for k in ("bytes_read", "bytes_decoded", "peak_held", "fetch_seconds", "share")}
+            for k in ("bytes_read", "bytes_decoded", "peak_held_reader", "fetch_cpu", "share")}
 
 
 def growth(spec: StepSpec, par: Parallel, schema: RoutingSchema, coords, prefetch: int,
@@ -897,7 +930,8 @@ def growth(spec: StepSpec, par: Parallel, schema: RoutingSchema, coords, prefetc
     ]
     out: dict[str, Any] = {}
     print("\nGrowth (median per-rank value, variant / base):")
-    hdr = "| doubled | scheme | bytes read | bytes decoded | peak held | decode time | naive bytes |"
+    hdr = ("| doubled | scheme | bytes read | bytes decoded | peak held (reader) | decode CPU "
+           "time | naive bytes |")
     print(hdr)
     print("|---|---|---|---|---|---|---|")
     for label, sp2, par2, base_par in variants:
@@ -925,7 +959,7 @@ def growth(spec: StepSpec, par: Parallel, schema: RoutingSchema, coords, prefetc
             r = {k: m2[k] / m1[k] if m1[k] else float("nan") for k in m2}
             out[f"{label} / {name}"] = r
             print(f"| {label} | {name} | {r['bytes_read']:.2f}x | {r['bytes_decoded']:.2f}x | "
-                  f"{r['peak_held']:.2f}x | {r['fetch_seconds']:.2f}x | "
+                  f"{r['peak_held_reader']:.2f}x | {r['fetch_cpu']:.2f}x | "
                   f"{naive2:.2f}x |")
     return out
 
