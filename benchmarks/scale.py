@@ -33,9 +33,12 @@ What it does, end to end, with the product's own code:
    (a wrapper around the file object), bytes decoded (the ids the codec output), the
    decode time (wall time in ``fetch``) and the transient memory of each load
    (``tracemalloc``: numpy and zstd output buffers are traced; zstd's internal window is
-   not). Peak bytes held = the most, over the rank's schedule, of the replay data held for
-   microbatches in flight (loaded up to ``--prefetch`` forwards ahead, released at their
-   backward) plus the transient of the load in progress.
+   not). Peak bytes held = the most, over the rank's interleaved-1F1B schedule, of the
+   replay data held for microbatches in flight (loaded up to ``--prefetch`` forwards ahead,
+   released at their backward) plus the transient of the load in progress; given twice:
+   for the reader (in-flight ids at the record's dtype + the fetches' transient: what the
+   format decides) and for the replayer as it is today (its int16 tensors + the whole
+   load's transient, int64 gather included).
 
 Ranks: a rank is (DP, CP, TP, PP) and holds every VPP chunk of its PP stage; all PP stages
 are simulated for each sampled (DP, CP, TP) coordinate (``--coords``; default: (0,0,0),
@@ -47,14 +50,13 @@ The naive scheme (every rank receives the whole step's routing as int32 [T, 61, 
 engines return it today) is computed from the step's sizes; its decode time is the
 measured base64 decode rate of ``routereplay.wire`` scaled to the whole step.
 
-    .venv/bin/python benchmarks/scale.py                 # default size, ~? minutes here
+    .venv/bin/python benchmarks/scale.py                 # default size, about 6 minutes here
     .venv/bin/python benchmarks/scale.py --quick         # seconds (what the test runs)
     .venv/bin/python benchmarks/scale.py --samples 64 --max-len 8192 --layout tp=2,pp=4,vpp=2,cp=2,dp=2,ep=4
 """
 from __future__ import annotations
 
 import argparse
-import base64
 import contextlib
 import dataclasses
 import json
