@@ -221,30 +221,8 @@ import collections  # noqa: E402
 import contextlib  # noqa: E402
 
 from megatron.core.pipeline_parallel import get_forward_backward_func  # noqa: E402
-from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
-
 from trainer_hooks.megatron.harness.parallel import config_overrides  # noqa: E402
-
-
-class ReadBacks(TorchDispatchMode):
-    """Counts ops that read a tensor value back to Python (``.item()``, ``bool()``,
-    ``int()``: aten._local_scalar_dense and other data_dependent_output ops) or whose output
-    shape depends on tensor values (nonzero, masked_select, unique, boolean indexing): each
-    is a host-device synchronisation on a GPU."""
-
-    def __init__(self):
-        super().__init__()
-        self.counts = collections.Counter()
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if (torch.Tag.data_dependent_output in func.tags
-                or torch.Tag.dynamic_output_shape in func.tags
-                or (func is torch.ops.aten.index.Tensor and any(
-                    i is not None and i.dtype == torch.bool for i in args[1]))):
-            self.counts[str(func)] += 1
-        return func(*args, **kwargs)
-
+from trainer_hooks.megatron.harness.syncs import ReadBacks  # noqa: E402
 
 cfg, model = build(**config_overrides(spec, True))       # full activation recompute
 rep = RouterReplayer(model, schema)

@@ -155,14 +155,15 @@ def launch(spec: ParallelSpec, fn: Callable, *args: Any) -> None:
         raise RouteReplayError(f"a trainer rank failed ({e}); see the rank's error above") from None
 
 
-def init(spec: ParallelSpec, rank: int, world: int) -> None:
-    """CPU shim, gloo process group and megatron's model-parallel state for ``spec``."""
+def init(spec: ParallelSpec, rank: int, world: int, backend: str = "gloo") -> None:
+    """CPU shim (without CUDA only), the process group (``backend``: gloo, or nccl on
+    GPUs) and megatron's model-parallel state for ``spec``."""
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
     from trainer_hooks.megatron.harness.cpu_shim import apply_cpu_shim
     apply_cpu_shim()
     if not dist.is_initialized():
-        dist.init_process_group("gloo", rank=rank, world_size=world)
+        dist.init_process_group(backend, rank=rank, world_size=world)
     if ps.model_parallel_is_initialized():
         ps.destroy_model_parallel()
     ps.initialize_model_parallel(
@@ -208,9 +209,10 @@ def config_overrides(spec: ParallelSpec, recompute: bool) -> dict[str, Any]:
 
 
 def build_chunks(hf: dict[str, Any], config, spec: ParallelSpec, *,
-                 max_sequence_length: int = 4096) -> list:
-    """GPTModel chunks of this rank (one, or ``vpp`` with interleaving), local spec, for
-    the HF Qwen3-MoE config ``hf`` and its megatron ``config`` (qwen3_moe.transformer_config).
+                 max_sequence_length: int = 4096, use_te: bool = False) -> list:
+    """GPTModel chunks of this rank (one, or ``vpp`` with interleaving) for the HF
+    Qwen3-MoE config ``hf`` and its megatron ``config`` (qwen3_moe.transformer_config):
+    megatron's local layer spec, or Transformer Engine's with ``use_te``.
 
     NOTE: megatron-core keeps RouterReplay instances in a class-level list; it is cleared
     first so it holds exactly this rank's routers.
@@ -226,11 +228,12 @@ def build_chunks(hf: dict[str, Any], config, spec: ParallelSpec, *,
     for vp in (range(spec.vpp) if spec.vpp else [None]):
         if vp is None:
             pre, post = ps.is_pipeline_first_stage(), ps.is_pipeline_last_stage()
-            block = get_gpt_decoder_block_spec(config, use_transformer_engine=False)
+            block = get_gpt_decoder_block_spec(config, use_transformer_engine=use_te)
         else:
             pre = ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp)
             post = ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp)
-            block = get_gpt_decoder_block_spec(config, use_transformer_engine=False, vp_stage=vp)
+            block = get_gpt_decoder_block_spec(config, use_transformer_engine=use_te,
+                                               vp_stage=vp)
         m = GPTModel(config=config, transformer_layer_spec=block, vocab_size=hf["vocab_size"],
                      max_sequence_length=max_sequence_length, position_embedding_type="rope",
                      rotary_base=rotary_base(hf),
