@@ -30,6 +30,20 @@ def _recompute(tiny_model, sidecar, tmp_path, *extra):
     return p, (json.loads(out.read_text()) if p.returncode == 0 else None)
 
 
+def test_product_face_imports_no_harness():
+    """trainer_hooks.megatron exports the product and imports nothing of its harness (and
+    not megatron-core itself: that happens when a step starts)."""
+    p = run_py(["-c", "import sys, trainer_hooks.megatron as m; print(sorted(m.__all__)); "
+                "print([k for k in sys.modules if 'harness' in k or k.startswith('megatron')])"],
+               timeout=120)
+    assert p.returncode == 0, p.stderr[-2000:]
+    face, loaded = p.stdout.strip().splitlines()
+    assert face == str(sorted(["RouterReplayer", "Microbatch", "ReplayStats", "RouterCall",
+                               "Layout", "Shard", "check_config", "ReplayStateError",
+                               "UnknownMicrobatchError", "MCORE_VERSION"]))
+    assert loaded == "[]"
+
+
 def test_megatron_matches_hf_fp32(tiny_model, hf_sidecar, tmp_path):
     """HF->Megatron mapping: same log-probs (1e-4) and same routing as HF in fp32."""
     p, res = _recompute(tiny_model, hf_sidecar[0], tmp_path)

@@ -15,10 +15,11 @@ Importing this package checks the megatron-core version (trainer_hooks.megatron.
 holds what proves the product on CPU (recompute driver, parallel launch, CPU shim, HF
 checkpoint conversion); the product never imports it.
 """
-from routereplay.align import Layout, Shard
 from trainer_hooks.megatron.version import MCORE_VERSION
-from trainer_hooks.megatron.replayer import (Microbatch, ReplayStats, RouterCall,  # noqa: E402
-                                             RouterReplayer, check_config)
+from routereplay.align import Layout, Shard  # noqa: E402
+from trainer_hooks.megatron.replayer import (Microbatch, ReplayStateError,  # noqa: E402
+                                             ReplayStats, RouterCall, RouterReplayer,
+                                             UnknownMicrobatchError, check_config)
 
 __all__ = ["RouterReplayer", "Microbatch", "ReplayStats", "RouterCall", "Layout", "Shard",
-           "check_config", "MCORE_VERSION"]
+           "check_config", "ReplayStateError", "UnknownMicrobatchError", "MCORE_VERSION"]

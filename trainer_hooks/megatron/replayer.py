@@ -70,6 +70,21 @@ from routereplay.source import RoutingSource, as_source
 TopK = Callable[..., tuple[torch.Tensor, torch.Tensor]]
 
 
+class UnknownMicrobatchError(RouteReplayError, KeyError):
+    """``microbatch(key)`` with a key that is not in the step's microbatches (a KeyError,
+    as before)."""
+
+    def __str__(self) -> str:          # KeyError would print the repr of the message
+        return str(self.args[0]) if self.args else ""
+
+
+class ReplayStateError(RouteReplayError, RuntimeError):
+    """The replayer is used in a state where replay would be wrong: a nested or repeated
+    ``step()``, ``microbatch()`` outside a step or nested in one of the same chunk, a second
+    forward of a microbatch whose backward is pending, two replayers on one model (a
+    RuntimeError, as before)."""
+
+
 def megatron_topk(scores, topk, num_groups, group_topk, default_compute_topk):
     """The trainer's own top-k: megatron's ``_compute_topk`` (the replayer's default
     :attr:`RouterReplayer.own_topk`)."""
@@ -368,16 +383,17 @@ class RouterReplayer:
             shard: this rank's CP/SP place (default: read from megatron's parallel_state
                 and the config's sequence_parallel).
         Raises:
-            RuntimeError: nested steps, or another replayer replaying into this model.
+            ReplayStateError (a RuntimeError): nested steps, or another replayer replaying
+                into this model.
             SchemaError / RecordError / ConfigError: see routereplay.source.as_source.
         """
         if self._active:
-            raise RuntimeError("RouterReplayer.step is not re-entrant")
+            raise ReplayStateError("RouterReplayer.step is not re-entrant")
         for layers in self.layers:
             for router, _ in layers:
                 other = getattr(router.router_replay, "_rr_slot", None)
                 if other is not None:
-                    raise RuntimeError("another RouterReplayer is replaying into this model: "
+                    raise ReplayStateError("another RouterReplayer is replaying into this model: "
                                        "one step at a time per model")
         from megatron.core.transformer.moe.router_replay import RouterReplay
         self._source: RoutingSource = as_source(source, self.schema)
@@ -461,22 +477,25 @@ class RouterReplayer:
         now) and starts their copy to the model's device.
 
         Raises:
-            KeyError: unknown key. An error of loading the microbatch (an unknown sample,
+            UnknownMicrobatchError (a KeyError): unknown key. ReplayStateError (a
+                RuntimeError): outside a step, nested in a microbatch of the same chunk, or
+                a second forward whose first one's backward is pending. An error of loading
+                the microbatch (an unknown sample,
                 corrupt data, AlignmentError from validation or coverage), also one met
                 while it was prefetched; RouteReplayError messages are prefixed with the
                 microbatch key (and chunk with VPP).
         """
         if not self._active:
-            raise RuntimeError("RouterReplayer.microbatch outside RouterReplayer.step")
+            raise ReplayStateError("RouterReplayer.microbatch outside RouterReplayer.step")
         ci = self._chunk_index(chunk)
         if self._fwd[ci] is not None:
-            raise RuntimeError(f"RouterReplayer.microbatch({key!r}) inside microbatch("
+            raise ReplayStateError(f"RouterReplayer.microbatch({key!r}) inside microbatch("
                                f"{self._fwd[ci]!r}) of the same model chunk")
         if key not in self._mbs:
-            raise KeyError(f"microbatch key {key!r} is not in this step's microbatches "
-                           f"({len(self._mbs)} keys)")
+            raise UnknownMicrobatchError(f"microbatch key {key!r} is not in this step's "
+                                         f"microbatches ({len(self._mbs)} keys)")
         if (key, ci) in self._held:
-            raise RuntimeError(f"microbatch {key!r} is forwarded a second time while its first "
+            raise ReplayStateError(f"microbatch {key!r} is forwarded a second time while its first "
                                "forward's backward is still pending: one forward per "
                                "microbatch key and model chunk in a step")
         t0 = time.perf_counter()
