@@ -112,8 +112,11 @@ def bench(a: argparse.Namespace) -> list[str]:
         if cuda:
             torch.cuda.synchronize()
 
+    entry_waits: list[float] = []                 # microbatch() blocking per entry
+
     def run(source=None, *, replay=True, train=True, on_used=None):
         """One step (all microbatches); returns (seconds, peak bytes, ReplayStats | None)."""
+        entry_waits.clear()
         def loss_func(key, out):
             lp = torch.log_softmax(out[:, :-1].float(), -1).gather(
                 -1, tokens[key][:, 1:, None])
@@ -122,7 +125,9 @@ def bench(a: argparse.Namespace) -> list[str]:
         def fwd(it, chunk):
             key = next(it)
             if replay:
+                w0 = rep.stats.wait_seconds
                 with rep.microbatch(key, chunk):
+                    entry_waits.append(rep.stats.wait_seconds - w0)
                     out = chunk(tokens[key], pos, attention_mask=mask)
             else:
                 out = chunk(tokens[key], pos, attention_mask=mask)
@@ -147,7 +152,8 @@ def bench(a: argparse.Namespace) -> list[str]:
         sync()
         dt = time.perf_counter() - t
         peak = torch.cuda.max_memory_allocated() if cuda else 0
-        return dt, peak, (dataclasses.replace(rep.stats) if replay else None)
+        return dt, peak, ((dataclasses.replace(rep.stats), list(entry_waits)) if replay
+                          else None)
 
     # 1. RECORD the model's own routing (forward only)
     rec = {f"m{k}s{j}": np.zeros((s, L, K), schema.id_dtype) for k in range(m) for j in range(b)}
@@ -235,7 +241,8 @@ def bench(a: argparse.Namespace) -> list[str]:
         "router grad norms (replayed step): " + ", ".join(f"{x:.3g}" for x in grads),
         "",
         f"{'condition':<20}{'fwd+bwd ms':>11}{'vs plain':>9}{'syncs':>7}{'read-backs':>11}"
-        f"{'blocked ms':>11}{'select ms':>10}{'load ms':>9}{'block %':>8}{'peak GiB':>9}",
+        f"{'blocked ms':>11}{'mb wait':>10}{'select ms':>10}{'load ms':>9}{'block %':>8}"
+        f"{'peak GiB':>9}",
     ]
     for c in conds:
         med = statistics.median(times[c])
@@ -243,13 +250,14 @@ def bench(a: argparse.Namespace) -> list[str]:
         line = (f"{c:<20}{med * 1e3:>11.1f}{med / base:>9.4f}"
                 f"{'-' if n_cuda is None else n_cuda:>7}{n_rb:>11}")
         if stats[c]:
-            wait = statistics.median(x.wait_seconds for x in stats[c])
-            sel = statistics.median(x.select_seconds for x in stats[c])
-            load = statistics.median(x.load_seconds for x in stats[c])
-            line += (f"{wait * 1e3:>11.2f}{sel * 1e3:>10.2f}{load * 1e3:>9.2f}"
-                     f"{100 * (wait + sel) / med:>8.3f}")
+            wait = statistics.median(x.wait_seconds for x, _ in stats[c])
+            sel = statistics.median(x.select_seconds for x, _ in stats[c])
+            load = statistics.median(x.load_seconds for x, _ in stats[c])
+            later = statistics.median(w for _, ws in stats[c] for w in ws[1:])
+            line += (f"{wait * 1e3:>11.2f}{later * 1e3:>10.3f}{sel * 1e3:>10.2f}"
+                     f"{load * 1e3:>9.2f}{100 * (wait + sel) / med:>8.3f}")
         else:
-            line += f"{'-':>11}{'-':>10}{'-':>9}{'-':>8}"
+            line += f"{'-':>11}{'-':>10}{'-':>10}{'-':>9}{'-':>8}"
         line += f"{statistics.median(peaks[c]) / 2**30:>9.2f}" if cuda else f"{'-':>9}"
         lines.append(line)
     lines += [
@@ -258,7 +266,8 @@ def bench(a: argparse.Namespace) -> list[str]:
         "CUDA calls in one step (torch.cuda.set_sync_debug_mode); read-backs: ops reading a "
         "tensor value back or with data-dependent shapes in one step (harness.syncs."
         "ReadBacks); blocked: microbatch() blocking the training thread per step (waiting "
-        "for or doing a load, starting the copy); select: routers' replay selection per step; "
+        "for or doing a load, starting the copy); mb wait: ms it blocked per entry after the "
+        "step's first (median); select: routers' replay selection per step; "
         "load: fetch + align + validate per step on the prefetch thread; block %: "
         "(blocked + select) / fwd+bwd.",
     ]

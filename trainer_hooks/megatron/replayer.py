@@ -393,8 +393,8 @@ class RouterReplayer:
             for router, _ in layers:
                 other = getattr(router.router_replay, "_rr_slot", None)
                 if other is not None:
-                    raise ReplayStateError("another RouterReplayer is replaying into this model: "
-                                       "one step at a time per model")
+                    raise ReplayStateError("another RouterReplayer is replaying into this "
+                                           "model: one step at a time per model")
         from megatron.core.transformer.moe.router_replay import RouterReplay
         self._source: RoutingSource = as_source(source, self.schema)
         self._mbs = dict(enumerate(microbatches)) if not isinstance(microbatches, Mapping) \
@@ -405,8 +405,7 @@ class RouterReplayer:
         self._devices = [_chunk_device(layers) for layers in self.layers]
         self._held = {}
         self._pending: dict[tuple[Any, int], concurrent.futures.Future] = {}
-        self._pool = (concurrent.futures.ThreadPoolExecutor(
-            max_workers=1, thread_name_prefix="routereplay-prefetch") if self.prefetch else None)
+        self._pool: concurrent.futures.ThreadPoolExecutor | None = None
         self._fwd = [None] * len(self.chunks)
         self._bwd = [None] * len(self.chunks)
         self._routed: dict[torch.device, torch.Tensor] = {}   # device sums of routing maps
@@ -439,7 +438,9 @@ class RouterReplayer:
         RouterReplay.get_replay_topk = get_replay_topk
         self._active = True
         try:
-            if self._pool is not None:
+            if self.prefetch:
+                self._pool = concurrent.futures.ThreadPoolExecutor(
+                    max_workers=1, thread_name_prefix="routereplay-prefetch")
                 for ci in range(len(self.chunks)):
                     self._prefetch_from(0, ci)
             yield self
