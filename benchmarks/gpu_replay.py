@@ -114,8 +114,10 @@ def bench(a: argparse.Namespace) -> list[str]:
 
     entry_waits: list[float] = []                 # microbatch() blocking per entry
 
-    def run(source=None, *, replay=True, train=True, on_used=None):
-        """One step (all microbatches); returns (seconds, peak bytes, ReplayStats | None)."""
+    def run(source=None, *, replay=True, train=True, on_used=None, timed=True):
+        """One step (all microbatches); returns (seconds, peak bytes, (ReplayStats, waits
+        per microbatch entry) | None). ``timed=False``: no device synchronisation around
+        the step (when counting the step's own syncs)."""
         entry_waits.clear()
         def loss_func(key, out):
             lp = torch.log_softmax(out[:, :-1].float(), -1).gather(
@@ -135,7 +137,8 @@ def bench(a: argparse.Namespace) -> list[str]:
         kw = dict(forward_step_func=fwd, data_iterator=iter(range(m)), model=[model],
                   num_microbatches=m, seq_length=s, micro_batch_size=b, forward_only=not train)
         model.zero_grad(set_to_none=True)
-        sync()
+        if timed:
+            sync()
         if cuda:
             torch.cuda.reset_peak_memory_stats()
         t = time.perf_counter()
@@ -149,7 +152,8 @@ def bench(a: argparse.Namespace) -> list[str]:
                     rep.on_used = None
             else:
                 fb(**kw)
-        sync()
+        if timed:
+            sync()
         dt = time.perf_counter() - t
         peak = torch.cuda.max_memory_allocated() if cuda else 0
         return dt, peak, ((dataclasses.replace(rep.stats), list(entry_waits)) if replay
@@ -199,11 +203,12 @@ def bench(a: argparse.Namespace) -> list[str]:
         with ReadBacks() as rb:
             if cuda:
                 with cuda_syncs() as seen:
-                    run(**kw)
+                    run(**kw, timed=False)
                 n_cuda = len(seen)
             else:
-                run(**kw)
+                run(**kw, timed=False)
                 n_cuda = None
+        sync()
         syncs[c] = (n_cuda, rb.total)
 
     # 5. interleaved timing
