@@ -80,7 +80,7 @@ def main() -> None:
     print("-" * len(hdr))
     for layout in LAYOUTS:
         out = os.path.join(tmp, "r.json")
-        cmd = [sys.executable, "-m", "trainer_hooks.megatron.recompute", "--model", model,
+        cmd = [sys.executable, "-m", "trainer_hooks.megatron.harness.recompute", "--model", model,
                "--sidecar", sc, "--out", out, "--parallel", layout,
                "--micro-batch-size", str(a.mbs)]
         p = subprocess.run(cmd, capture_output=True, text=True, timeout=1800)

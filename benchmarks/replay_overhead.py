@@ -10,13 +10,22 @@ activation recompute unless --no-recompute). The routing to replay is the model'
 
 Conditions, interleaved iteration by iteration (median of --iters after one warm-up):
 - plain: no replayer at all (megatron's native routing);
-- replay (sidecar): RouterReplayer decoding each microbatch's rows from the sidecar
-  (the default codec, ctx-zstd), validating them, and forcing them in forward and recompute;
-- replay (in memory): the same from already-decoded records (no decode cost).
+- replay (sidecar): RouterReplayer fetching each microbatch's rows from the sidecar
+  (the default codec, ctx-zstd), aligning and validating them on its prefetch thread
+  (2 microbatches ahead), and forcing them in forward and recompute;
+- replay (sidecar, no prefetch): the same with prefetch=0 (each microbatch loaded when
+  it is entered, on the training thread);
+- replay (in memory): from already-decoded records (an InMemorySource: no decode cost).
+
+Per replay condition it also prints the replayer's blocking time (what it keeps the
+training thread busy: ``microbatch()`` waiting for or doing the load, plus the routers'
+selection), per step, per microbatch entry, and per million (token, MoE layer) rows, and
+its load time (fetch + align + validate, on whichever thread ran it).
 """
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import io
 import os
 import statistics
@@ -36,9 +45,11 @@ def bench(rank: int, a: argparse.Namespace) -> None:
     from routereplay.record import RoutingRecord
     from routereplay.schema import RoutingSchema
     from routereplay.sidecar import SidecarReader, write_records
-    from trainer_hooks.megatron import hf_qwen3_moe as conv
-    from trainer_hooks.megatron.parallel import ParallelSpec, build_chunks, config_overrides
-    from trainer_hooks.megatron.replayer import Microbatch, RouterReplayer
+    from routereplay.source import InMemorySource
+    from trainer_hooks.megatron import Microbatch, RouterReplayer
+    from trainer_hooks.megatron.harness import qwen3_moe as conv
+    from trainer_hooks.megatron.harness.parallel import (ParallelSpec, build_chunks,
+                                                         config_overrides)
 
     torch.manual_seed(0)
     hf = {"model_type": "qwen3_moe", "num_hidden_layers": 4, "mlp_only_layers": [0],
@@ -60,18 +71,24 @@ def bench(rank: int, a: argparse.Namespace) -> None:
            for k in range(m)}
     fb = get_forward_backward_func()
     replayer = RouterReplayer(model, schema)
+    eager = RouterReplayer(model, schema, prefetch=0)
 
     def loss_func(key, out):
         lp = torch.log_softmax(out[:, :-1].float(), -1).gather(-1, tokens[key][:, 1:, None])
         return -lp.mean(), {}
 
-    spent: dict[str, list[float]] = {"replay (sidecar)": [], "replay (in memory)": []}
+    spent: dict[str, list] = {}
+    waits: dict[str, list[list[float]]] = {}      # per step: wait of each microbatch entry
 
-    def step(use_replay: bool, source=None, name: str | None = None):
+    def step(rep=None, source=None, name: str | None = None):
+        entry: list[float] = []
+
         def fwd(it, chunk):
             key = next(it)
-            if use_replay:
-                with replayer.microbatch(key, chunk):
+            if rep is not None:
+                w0 = rep.stats.wait_seconds
+                with rep.microbatch(key, chunk):
+                    entry.append(rep.stats.wait_seconds - w0)
                     out = chunk(tokens[key], pos, attention_mask=mask)
             else:
                 out = chunk(tokens[key], pos, attention_mask=mask)
@@ -80,11 +97,12 @@ def bench(rank: int, a: argparse.Namespace) -> None:
         t0 = time.perf_counter()
         kw = dict(forward_step_func=fwd, data_iterator=iter(range(m)), model=[model],
                   num_microbatches=m, seq_length=s, micro_batch_size=b, forward_only=False)
-        if use_replay:
-            with replayer.step(source, mbs):
+        if rep is not None:
+            with rep.step(source, mbs):
                 fb(**kw)
             if name:
-                spent[name].append(replayer.stats.load_seconds + replayer.stats.select_seconds)
+                spent.setdefault(name, []).append(dataclasses.replace(rep.stats))
+                waits.setdefault(name, []).append(entry)
         else:
             fb(**kw)
         return time.perf_counter() - t0
@@ -98,16 +116,18 @@ def bench(rank: int, a: argparse.Namespace) -> None:
             rec.setdefault(f"m{key}s{j}", np.zeros((s, schema.num_moe_layers, schema.top_k),
                                                    schema.id_dtype))[:, li] = arr[:, j]
     replayer.on_used = on_used
-    step(True, None)
+    step(replayer, None)
     replayer.on_used = None
     records = [RoutingRecord(sample_id=k, expert_ids=v) for k, v in rec.items()]
     buf = io.BytesIO(write_records(None, schema, records, background=False).getvalue())
     reader = SidecarReader(buf)
-    mem = {r.sample_id: r for r in records}
+    mem = InMemorySource(records, schema)
 
-    conds = {"plain": lambda: step(False),
-             "replay (sidecar)": lambda: step(True, reader, "replay (sidecar)"),
-             "replay (in memory)": lambda: step(True, mem, "replay (in memory)")}
+    conds = {"plain": lambda: step(),
+             "replay (sidecar)": lambda: step(replayer, reader, "replay (sidecar)"),
+             "replay (sidecar, no prefetch)": lambda: step(eager, reader,
+                                                           "replay (sidecar, no prefetch)"),
+             "replay (in memory)": lambda: step(replayer, mem, "replay (in memory)")}
     times: dict[str, list[float]] = {c: [] for c in conds}
     for it in range(a.iters + 1):
         for c, f in conds.items():
@@ -116,22 +136,35 @@ def bench(rank: int, a: argparse.Namespace) -> None:
                 times[c].append(dt)
     base = statistics.median(times["plain"])
     rows = s * b * m
+    mrows = rows * schema.num_moe_layers / 1e6            # million (token, MoE layer) rows
     from trainer_hooks.megatron import MCORE_VERSION
     print(f"megatron-core {MCORE_VERSION}: hidden {a.hidden}, 4 layers (3 MoE, "
           f"{a.experts} experts, top-{a.top_k}), {m} microbatches x {b} x {s} tokens, "
           f"recompute {'full' if a.recompute else 'off'}; median of {a.iters}")
-    print(f"{'condition':<22}{'fwd+bwd ms':>12}{'vs plain':>10}{'min ms':>10}"
-          f"{'replayer ms':>13}{'replayer share':>16}")
+    print(f"{'condition':<31}{'fwd+bwd ms':>11}{'vs plain':>9}{'min ms':>9}"
+          f"{'blocking ms':>12}{'share':>8}{'ms/M rows':>10}{'1st wait':>9}{'wait':>7}"
+          f"{'load ms':>9}")
     for c, v in times.items():
         med = statistics.median(v)
-        own = statistics.median(spent[c]) if c in spent else 0.0
-        print(f"{c:<22}{med * 1e3:>12.1f}{med / base:>10.4f}{min(v) * 1e3:>10.1f}"
-              f"{own * 1e3:>13.2f}{own / med:>16.4f}")
-    print("replayer ms: time inside the replayer (decode + align + validate per microbatch, "
-          "selection per router call), measured in the same steps; replayer share = that / "
-          "fwd+bwd. The 'vs plain' ratio is the end-to-end figure but carries this machine's "
-          "run-to-run noise (a few %).")
-    print(f"({rows} token rows per step; sidecar {len(buf.getvalue())} bytes)")
+        line = f"{c:<31}{med * 1e3:>11.1f}{med / base:>9.4f}{min(v) * 1e3:>9.1f}"
+        if c in spent:
+            st = spent[c]
+            blk = statistics.median(x.blocking_seconds for x in st)
+            first = statistics.median(w[0] for w in waits[c])
+            later = statistics.median(x for w in waits[c] for x in w[1:])
+            load = statistics.median(x.load_seconds for x in st)
+            line += (f"{blk * 1e3:>12.2f}{blk / med:>8.4f}{blk * 1e3 / mrows:>10.1f}"
+                     f"{first * 1e3:>9.3f}{later * 1e3:>7.3f}{load * 1e3:>9.2f}")
+        print(line)
+    print("blocking ms: time the replayer kept the training thread busy per step "
+          "(microbatch() waiting for or doing the load + routers' replay selection); share = "
+          "that / fwd+bwd; ms/M rows: blocking ms per million (token, MoE layer) rows; "
+          "1st wait / wait: ms microbatch() blocked on entering the step's first microbatch "
+          "(loaded from step() entry on) / each later one (median); load ms: fetch + align + "
+          "validate per step, on the prefetch thread where it runs. The 'vs plain' ratio is "
+          "the end-to-end figure but carries this machine's run-to-run noise.")
+    print(f"({rows} token rows, {rows * schema.num_moe_layers} (token, MoE layer) rows per "
+          f"step; sidecar {len(buf.getvalue())} bytes)")
 
 
 def main() -> None:
@@ -146,7 +179,7 @@ def main() -> None:
     ap.add_argument("--no-recompute", dest="recompute", action="store_false")
     a = ap.parse_args()
     torch.set_num_threads(max(1, os.cpu_count() or 1))
-    from trainer_hooks.megatron.parallel import ParallelSpec, launch
+    from trainer_hooks.megatron.harness.parallel import ParallelSpec, launch
     launch(ParallelSpec(), bench, a)
 
 

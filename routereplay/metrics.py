@@ -18,6 +18,8 @@ from typing import Iterable
 
 import numpy as np
 
+from routereplay.errors import AlignmentError
+
 EXTREME_THRESHOLD = math.log(2.0)
 
 
@@ -54,11 +56,13 @@ def routing_agreement(engine_ids: np.ndarray, trainer_ids: np.ndarray,
     Returns:
         dict with routing_agreement (as sets), routing_agreement_ordered, num_rows,
         and per_layer (list of set agreement per layer).
+    Raises:
+        AlignmentError (a ValueError): the two arrays differ in shape.
     """
     e = np.asarray(engine_ids).astype(np.int64)
     t = np.asarray(trainer_ids).astype(np.int64)
     if e.shape != t.shape:
-        raise ValueError(f"engine ids {e.shape} and trainer ids {t.shape} differ in shape")
+        raise AlignmentError(f"engine ids {e.shape} and trainer ids {t.shape} differ in shape")
     same_set = (np.sort(e, -1) == np.sort(t, -1)).all(-1)
     same_ord = (e == t).all(-1)
     m = np.ones(same_set.shape, dtype=bool) if mask is None else np.broadcast_to(

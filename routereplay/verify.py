@@ -13,6 +13,7 @@ from typing import Any, Mapping, Sequence
 import numpy as np
 
 from routereplay import metrics
+from routereplay.errors import RecordError
 from routereplay.record import RoutingRecord
 
 CONDITIONS = ("no_replay", "replay")
@@ -57,6 +58,36 @@ def summarize(records: Sequence[RoutingRecord],
         res["per_sample"] = per_sample
         out[cond] = res
         out["deltas"][cond] = np.concatenate(deltas)
+    return out
+
+
+def summary_to_json(summary: Mapping[str, Any]) -> dict[str, Any]:
+    """:func:`summarize`'s result as JSON-able values (deltas as lists; NaN kept, so
+    Python's json round-trips it: see :func:`json_safe` for strict JSON)."""
+    out = dict(summary)
+    out["deltas"] = {c: np.asarray(d, np.float64).tolist() for c, d in summary["deltas"].items()}
+    return out
+
+
+def load_summary(path: str) -> dict[str, Any]:
+    """A summary written as JSON (:func:`summary_to_json`, e.g. by the megatron recompute:
+    its conditions, ``num_samples`` and ``deltas``) back in :func:`summarize`'s form, for
+    :func:`format_report` and :func:`plot`.
+
+    Raises:
+        RecordError: the file lacks ``num_samples``, ``deltas`` or a condition's metrics.
+    """
+    import json
+    with open(path) as f:
+        res = json.load(f)
+    try:
+        out: dict[str, Any] = {"num_samples": int(res["num_samples"]), "deltas": {}}
+        for c, d in res["deltas"].items():
+            out["deltas"][c] = np.asarray(d, np.float64)
+            out[c] = res[c]
+    except (KeyError, TypeError, ValueError) as e:
+        raise RecordError(f"{path}: not a routing-replay summary ({e!r} missing or malformed)") \
+            from None
     return out
 
 

@@ -22,18 +22,18 @@ import sys
 import numpy as np
 import torch
 
-from trainer_hooks.megatron.parallel import (ParallelSpec, build_chunks, free_port, init,
-                                             load_sharded, teardown)
+from trainer_hooks.megatron.harness.parallel import (ParallelSpec, build_chunks, free_port,
+                                                     init, load_sharded, teardown)
 
 os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
 os.environ.setdefault("MASTER_PORT", str(free_port()))
 init(ParallelSpec(), 0, 1)
 
-from routereplay.errors import AlignmentError, SchemaError  # noqa: E402
+from routereplay.errors import AlignmentError, RecordError, SchemaError  # noqa: E402
 from routereplay.sidecar import SidecarReader  # noqa: E402
-from trainer_hooks.megatron import hf_qwen3_moe as conv  # noqa: E402
-from trainer_hooks.megatron.recompute import batch_tensors, plan_microbatches  # noqa: E402
-from trainer_hooks.megatron.replayer import Microbatch, RouterReplayer  # noqa: E402
+from trainer_hooks.megatron import RouterReplayer, check_config  # noqa: E402
+from trainer_hooks.megatron.harness import qwen3_moe as conv  # noqa: E402
+from trainer_hooks.megatron.harness.plan import batch_tensors, plan_microbatches  # noqa: E402
 
 model_dir, sidecar = sys.argv[1], sys.argv[2]
 hf = conv.load_hf_config(model_dir)
@@ -60,10 +60,10 @@ def perturb(model, eps=0.5, seed=5):
                 m.weight.add_(torch.randn(m.weight.shape, generator=g) * eps)
 
 
-plans, s = plan_microbatches(records, spec, 0, len(records), "right")
-plan = plans[0]
+bplan = plan_microbatches(records, spec, 0, len(records), "right")
+plan, s = bplan.microbatches[0], bplan.seq_len
 t = batch_tensors(plan, s)
-mb = {0: Microbatch(sample_ids=plan["sample_ids"], layout=plan["layout"])}
+mb = {0: plan.microbatch()}
 
 
 def forward(model, rep, source, *, grad=False):
@@ -77,11 +77,11 @@ def forward(model, rep, source, *, grad=False):
              for li, r in enumerate(routers)]
     try:
         with rep.step(source, mb), torch.set_grad_enabled(grad), rep.microbatch(0, model):
-            model(t["tokens"], t["position_ids"], attention_mask=t["attention_mask"])
+            model(t.tokens, t.position_ids, attention_mask=t.attention_mask)
     finally:
         for h in hooks:
             h.remove()
-    b = t["tokens"].shape[0]
+    b = t.tokens.shape[0]
 
     def bm(x):
         arr = np.stack([x[i] for i in range(len(routers))], 1)      # [s*b, L, .]
@@ -149,7 +149,6 @@ for name, over in (("fused", {"moe_router_fusion": True}),
         c = conv.transformer_config(hf)
         c.moe_router_fusion = True
     try:
-        from trainer_hooks.megatron.replayer import check_config
         check_config(c, schema)
         refused[name] = "accepted"
     except SchemaError as e:
@@ -166,11 +165,11 @@ bad[records[1].sample_id] = dataclasses.replace(records[1], expert_ids=bad_ids)
 try:
     forward(model, rep, bad)
     res["bad_ids"] = "accepted"
-except AlignmentError as e:
+except RecordError as e:       # the in-memory source checks ids when it takes them
     res["bad_ids"] = str(e)
 try:
     with rep.step(reader, mb), torch.no_grad():
-        model(t["tokens"], t["position_ids"], attention_mask=t["attention_mask"])
+        model(t.tokens, t.position_ids, attention_mask=t.attention_mask)
     res["outside"] = "accepted"
 except AlignmentError as e:
     res["outside"] = str(e)
@@ -187,14 +186,75 @@ model.embedding.word_embeddings.weight.requires_grad_(False)
 try:
     with rep.step(reader, mb):
         with rep.microbatch(0, model):
-            out = model(t["tokens"], t["position_ids"], attention_mask=t["attention_mask"])
+            out = model(t.tokens, t.position_ids, attention_mask=t.attention_mask)
         out.float().mean().backward()
-        res["held_after_backward"] = len(rep._held)
-        model(t["tokens"], t["position_ids"], attention_mask=t["attention_mask"])
+        res["held_after_backward"] = len(rep.held)
+        model(t.tokens, t.position_ids, attention_mask=t.attention_mask)
     res["after_backward_outside"] = "accepted"
 except AlignmentError as e:
     res["after_backward_outside"] = str(e)
-res["held_after_step"] = len(rep._held)
+res["held_after_step"] = len(rep.held)
+
+# -- errors of prefetched microbatches: raised when that microbatch is entered, naming it ---
+from routereplay.errors import UnknownSampleError  # noqa: E402
+from trainer_hooks.megatron import Microbatch  # noqa: E402
+cfg, model = build()
+bad_mbs = {0: mb[0], 1: Microbatch(sample_ids=(records[0].sample_id, "nope"),
+                                   layout=mb[0].layout)}
+res["prefetch_errors"] = {}
+for ahead in (0, 2):
+    rp = RouterReplayer(model, schema, prefetch=ahead)
+    entered = []
+    try:
+        with rp.step(reader, bad_mbs), torch.no_grad():
+            for k in (0, 1):
+                with rp.microbatch(k, model):
+                    entered.append(k)
+                    model(t.tokens, t.position_ids, attention_mask=t.attention_mask)
+        res["prefetch_errors"][ahead] = {"entered": entered, "error": "none"}
+    except UnknownSampleError as e:
+        res["prefetch_errors"][ahead] = {"entered": entered, "error": str(e),
+                                         "prefetched": rp.stats.prefetched}
+
+# -- host-device read-backs: a plain training step against a replayed one -------------------
+import collections  # noqa: E402
+import contextlib  # noqa: E402
+
+from megatron.core.pipeline_parallel import get_forward_backward_func  # noqa: E402
+from trainer_hooks.megatron.harness.parallel import config_overrides  # noqa: E402
+from trainer_hooks.megatron.harness.syncs import ReadBacks  # noqa: E402
+
+cfg, model = build(**config_overrides(spec, True))       # full activation recompute
+rep = RouterReplayer(model, schema)
+one = plan_microbatches(records, spec, 0, 1, "right")     # 2 microbatches of 1 sample
+tens = [batch_tensors(m, one.seq_len) for m in one.microbatches]
+fb = get_forward_backward_func()
+
+
+def train_step(replay: bool) -> collections.Counter:
+    def fwd(it, chunk):
+        k = next(it)
+        x = tens[k]
+        with rep.microbatch(k, chunk) if replay else contextlib.nullcontext():
+            out = chunk(x.tokens, x.position_ids, attention_mask=x.attention_mask)
+        return out, lambda o: (o.float().mean(), {"loss": o.float().mean().detach()})
+    model.zero_grad(set_to_none=True)
+    kw = dict(forward_step_func=fwd, data_iterator=iter(range(2)), model=[model],
+              num_microbatches=2, seq_length=one.seq_len, micro_batch_size=1,
+              forward_only=False)
+    mode = ReadBacks()
+    with rep.step(reader, [m.microbatch() for m in one.microbatches]) if replay \
+            else contextlib.nullcontext(), mode:
+        fb(**kw)
+    return mode.counts
+
+
+train_step(False)                                         # warm-up
+plain, replayed = train_step(False), train_step(True)
+grads = [float(r.weight.grad.norm()) for r, _ in rep.layers[0]]
+res["readbacks"] = {"plain": dict(plain), "replay": dict(replayed),
+                    "replayed_rows": rep.stats.replayed_rows,
+                    "fallback_rows": rep.stats.fallback_rows, "router_grads": grads}
 
 # -- MTP -------------------------------------------------------------------------------------
 from megatron.core.models.gpt import GPTModel  # noqa: E402
@@ -206,7 +266,7 @@ cfg = conv.transformer_config(hf, mtp_num_layers=1)
 blk = get_gpt_decoder_block_spec(cfg, use_transformer_engine=False)
 mtp_model = GPTModel(config=cfg, transformer_layer_spec=blk, vocab_size=hf["vocab_size"],
                      max_sequence_length=256, position_embedding_type="rope",
-                     rotary_base=cfg.__dict__["_rr_rotary_base"], parallel_output=False,
+                     rotary_base=conv.rotary_base(hf), parallel_output=False,
                      mtp_block_spec=get_gpt_mtp_block_spec(cfg, blk.layer_specs[-1],
                                                            use_transformer_engine=False))
 rep = RouterReplayer(mtp_model, schema)
@@ -224,8 +284,7 @@ def mtp_hook(mod, inp, out):
 
 h = mtp_router.register_forward_hook(mtp_hook)
 with rep.step(reader, mb), torch.no_grad(), rep.microbatch(0, mtp_model):
-    mtp_model(t["tokens"], t["position_ids"], attention_mask=t["attention_mask"],
-              labels=t["tokens"])
+    mtp_model(t.tokens, t.position_ids, attention_mask=t.attention_mask, labels=t.tokens)
 h.remove()
 res["mtp"] = {"num_mtp_routers": len(rep.mtp_routers),
               "backbone_layers": [lid for _, lid in rep.layers[0]],

@@ -8,16 +8,16 @@ from routereplay import align
 from routereplay.errors import AlignmentError
 from routereplay.record import RoutingRecord
 from routereplay.schema import RoutingSchema
+from routereplay.source import rows_of
 from tests.conftest import random_record
 
 
-def _fetch_from(records, layers):
-    def fetch(j, lo, hi):
-        r = records[j]
-        a, b = max(lo, r.start), min(hi, r.start + r.num_tokens)
-        if b <= a:
-            return np.zeros((0, len(layers), r.expert_ids.shape[2]), r.expert_ids.dtype), lo
-        return r.expert_ids[a - r.start:b - r.start][:, layers], a
+def _fetch_from(records, layers, calls=None):
+    """align.Fetch over in-memory records (routereplay.source.rows_of), counting calls."""
+    def fetch(j, runs):
+        if calls is not None:
+            calls.append((j, list(runs)))
+        return rows_of(records[j], layers, runs)
     return fetch
 
 
@@ -55,6 +55,26 @@ def test_packed_rows_and_start_offset(schema):
     assert (ids[11:14, 0] == r1.expert_ids[:, 2]).all()       # positions 3..5
     assert (ids[14:16] == align.MISSING).all()
     assert align.coverage(ids, tm) == (4 + 3, 12)
+
+
+def test_gather_fetches_each_sample_once_with_all_its_runs(schema):
+    """Context parallel keeps two chunks of each sequence: both runs come from one fetch
+    per sample, and the rows keep the replay width (int16) from the gather on."""
+    recs = [random_record(schema, "a", 16, 1), random_record(schema, "b", 12, 2)]
+    lay = align.Layout(lengths=(16, 12), seq_len=16)
+    tm = align.token_map(lay, align.Shard(cp_size=2, cp_rank=0))
+    calls = []
+    ids = align.gather_rows(tm, _fetch_from(recs, [0, 2], calls), 2, 4,
+                            align.replay_dtype(schema.num_experts))
+    assert ids.dtype == np.int16 and ids.shape == (16, 2, 4)
+    assert sorted(calls) == [(0, [(0, 4), (12, 16)]), (1, [(0, 4)])]    # b: 12..15 padding
+    for n in range(16):
+        j, p = int(tm.sample[n]), int(tm.position[n])
+        if j >= 0 and p < recs[j].num_tokens:
+            assert (ids[n] == recs[j].expert_ids[p][[0, 2]]).all()
+        else:
+            assert (ids[n] == align.MISSING).all()
+    assert align.replay_dtype(40000) == np.int32
 
 
 def test_sequence_parallel_split_is_contiguous_in_s(schema):
@@ -111,18 +131,18 @@ def test_all_ranks_together_see_every_token_once(lengths, cp, tp, packed, left):
 
 
 def _rows(schema, rows):
-    return np.array(rows, dtype=np.int64).reshape(len(rows), 1, schema.top_k)
+    return np.array(rows, dtype=np.int16).reshape(len(rows), 1, schema.top_k)
 
 
 def test_check_rows_names_sample_position_layer(schema):
     tm = align.TokenMap(sample=np.array([0, 0, 1, -1]), position=np.array([0, 1, 5, -1]))
     ok = _rows(schema, [[0, 1, 2, 3], [4, 5, 6, 7], [-1] * 4, [-1] * 4])
     align.check_rows(ok, tm, schema, [2], ["s0", "s1"])
+    # NOTE: range and distinctness are the source's checks (routereplay.source), made once
+    # when it decodes or takes the ids; check_rows checks what the layout adds.
+    align.check_rows(_rows(schema, [[0, 1, 2, 3], [4, 5, 6, 7], [9, 9, 1, 2], [-1] * 4]),
+                     tm, schema, [2], ["s0", "s1"])
     cases = [
-        ([[0, 1, 2, 3], [4, 5, 6, 16], [-1] * 4, [-1] * 4],
-         "sample 's0', token position 1, decoder layer 2.*out of range"),
-        ([[0, 1, 2, 3], [4, 5, 6, 7], [9, 9, 1, 2], [-1] * 4],
-         "sample 's1', token position 5, decoder layer 2.*duplicate"),
         ([[0, 1, -1, 3], [4, 5, 6, 7], [-1] * 4, [-1] * 4],
          "sample 's0', token position 0.*partly missing"),
         ([[0, 1, 2, 3], [4, 5, 6, 7], [-1] * 4, [1, 2, 3, 4]], "padding slot carries routing"),
@@ -144,10 +164,10 @@ def test_check_rows_group_limited_routing():
 
 
 def test_fill_dummy_gives_distinct_ids():
-    ids = np.full((40, 2, 6), align.MISSING, np.int64)
+    ids = np.full((40, 2, 6), align.MISSING, np.int16)
     ids[3, 1] = [0, 1, 2, 3, 4, 5]
     out = align.fill_dummy(ids, 8)
-    assert (out[3, 1] == ids[3, 1]).all()
+    assert out.dtype == np.int16 and (out[3, 1] == ids[3, 1]).all()
     srt = np.sort(out, -1)
     assert (srt[..., 1:] != srt[..., :-1]).all() and out.min() >= 0 and out.max() < 8
     assert (ids[0] == align.MISSING).all()          # input untouched

@@ -142,7 +142,7 @@ def test_demo_update_midway_and_trainer_parallel(default_demo, tmp_path, tiny_mo
     assert "pp=2,vpp=2" in stdout
     assert res["replay"]["routing_agreement"] == 1.0
     out = tmp_path / "w1.json"
-    p = run_py(["-m", "trainer_hooks.megatron.recompute", "--model", tiny_model, "--sidecar",
+    p = run_py(["-m", "trainer_hooks.megatron.harness.recompute", "--model", tiny_model, "--sidecar",
                 res["sidecar"], "--out", str(out)], timeout=300)
     assert p.returncode == 0, p.stderr[-3000:]
     w1 = json.loads(out.read_text())

@@ -133,3 +133,38 @@ def test_bad_replay_ids_are_clear_errors(qwen):
     rec = RoutingRecord("late", np.zeros((2, 3, 4), np.uint8), start=50)
     with pytest.raises(AlignmentError, match="past the 10-token sequence"):
         replay_ids(rec, schema, 10)
+
+
+def test_token_logprobs_builds_inputs_on_the_model_device(qwen):
+    """A model on another device (here `meta`, the one non-CPU device of a CPU machine) gets
+    its input ids, and replay ids, on that device (they were built on the CPU, so
+    `verify --trainer hf` failed on CUDA)."""
+    import copy
+    m, schema = qwen
+    meta = copy.deepcopy(m).to("meta")
+    seen = {}
+
+    class Stop(Exception):
+        pass
+
+    def grab(mod, args, kwargs):
+        x = kwargs.get("input_ids", args[0] if args else None)
+        seen["input"] = x.device.type
+        raise Stop
+
+    h = meta.register_forward_pre_hook(grab, with_kwargs=True)
+    ids = np.random.default_rng(5).integers(3, 500, 12)
+    rec = RoutingRecord("m", np.tile(np.arange(schema.top_k, dtype=np.uint8), (11, 3, 1)),
+                        token_ids=ids.astype(np.int32))
+    try:
+        with pytest.raises(Stop):
+            token_logprobs(meta, ids, schema, record=rec)
+    finally:
+        h.remove()
+    assert seen["input"] == "meta"
+    from trainer_hooks.hf.replay import model_inputs
+    x, forced = model_inputs(meta, ids, schema, rec)
+    assert x.device.type == "meta" and all(f.device.type == "cpu" for f in forced)
+    # hf_replay checks the forced ids on the host, then moves them to each router's device
+    with hf_replay(meta, forced):
+        pass

@@ -25,9 +25,23 @@ def hf_sidecar(tiny_model, tmp_path_factory):
 
 def _recompute(tiny_model, sidecar, tmp_path, *extra):
     out = tmp_path / "r.json"
-    p = run_py(["-m", "trainer_hooks.megatron.recompute", "--model", tiny_model,
+    p = run_py(["-m", "trainer_hooks.megatron.harness.recompute", "--model", tiny_model,
                 "--sidecar", sidecar, "--out", str(out), *extra], timeout=300)
     return p, (json.loads(out.read_text()) if p.returncode == 0 else None)
+
+
+def test_product_face_imports_no_harness():
+    """trainer_hooks.megatron exports the product and imports nothing of its harness (and
+    not megatron-core itself: that happens when a step starts)."""
+    p = run_py(["-c", "import sys, trainer_hooks.megatron as m; print(sorted(m.__all__)); "
+                "print([k for k in sys.modules if 'harness' in k or k.startswith('megatron')])"],
+               timeout=120)
+    assert p.returncode == 0, p.stderr[-2000:]
+    face, loaded = p.stdout.strip().splitlines()
+    assert face == str(sorted(["RouterReplayer", "Microbatch", "ReplayStats", "RouterCall",
+                               "Layout", "Shard", "check_config", "ReplayStateError",
+                               "UnknownMicrobatchError", "MCORE_VERSION"]))
+    assert loaded == "[]"
 
 
 def test_megatron_matches_hf_fp32(tiny_model, hf_sidecar, tmp_path):
@@ -79,8 +93,20 @@ def test_replayer_fallback_capacity_refusals_mtp(tiny_model, tmp_path):
     for name, why in (("fused", "moe_router_fusion=True"), ("sinkhorn", "sinkhorn"),
                       ("disabled", "moe_enable_routing_replay is False")):
         assert why in res["refused"][name], res["refused"]
-    assert res["bad_ids"] == ("sample 'hf1', token position 10, decoder layer 3 (router row 21): "
-                              f"duplicate expert ids in {res['bad_ids'].split(' in ')[-1]}")
+    # the in-memory source checks ids once, when it takes them (step entry)
+    assert res["bad_ids"].startswith("sample 'hf1', token 10, layer 3: duplicate expert ids")
+    # an error in a prefetched microbatch is raised when that microbatch is entered
+    for ahead in ("0", "2"):
+        pe = res["prefetch_errors"][ahead]
+        assert pe["entered"] == [0], pe
+        assert pe["error"] == "microbatch 1: sample 'nope' not in sidecar", pe
+    assert res["prefetch_errors"]["2"]["prefetched"] >= 1
+    # a replayed training step (forward, recompute, backward; fallback rows included) reads
+    # no more values back to the host than the plain step of megatron-core
+    rb = res["readbacks"]
+    assert rb["replay"] == rb["plain"], rb
+    assert rb["fallback_rows"] > 0 and rb["replayed_rows"] > 0
+    assert all(g > 0 for g in rb["router_grads"])
     assert "outside RouterReplayer.microbatch()" in res["outside"]
     assert "inside microbatch(0)" in res["nested"]
     assert "outside RouterReplayer.microbatch()" in res["after_backward_outside"]
@@ -128,4 +154,7 @@ def test_verify_with_megatron_matches_hf_reference(tiny_model, hf_sidecar, tmp_p
     for t in out.values():
         assert t["replay"]["routing_agreement"] == 1.0 and t["replay"]["max_abs_dlogp"] < 1e-4
         assert len(t["replay"]["per_sample"]) == 3 and len(t["replay"]["per_layer"]) == 3
+        # the engine's column order (HF: descending score) is replayed as is, so the
+        # ordered agreement is 1.0 too (it read 0.33 when the recompute sorted its ids)
+        assert t["replay"]["routing_agreement_ordered"] == 1.0
     assert out["hf"]["replay"]["max_abs_dlogp"] < 1e-5          # the records came from HF

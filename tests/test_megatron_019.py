@@ -28,7 +28,7 @@ def test_replay_on_megatron_core_0_19(tiny_model, tmp_path, layout):
     p = run_py(["-c", "import trainer_hooks.megatron as m; print(m.MCORE_VERSION)"], 120, env=env)
     assert p.stdout.strip() == "0.19.2", p.stderr[-2000:]
     out = tmp_path / "r.json"
-    p = run_py(["-m", "trainer_hooks.megatron.recompute", "--model", tiny_model, "--sidecar",
+    p = run_py(["-m", "trainer_hooks.megatron.harness.recompute", "--model", tiny_model, "--sidecar",
                 str(sc), "--out", str(out), "--check-record", "--parallel", layout], 420, env=env)
     assert p.returncode == 0, p.stderr[-4000:]
     res = json.loads(out.read_text())

@@ -1,7 +1,7 @@
 """Replay under megatron-core parallel layouts on CPU (gloo, 2 processes), through
 megatron's own forward_backward_func.
 
-Each layout runs ``trainer_hooks.megatron.recompute --check-record``, which on every rank:
+Each layout runs ``trainer_hooks.megatron.harness.recompute --check-record``, which on every rank:
 records the unperturbed model's own routing (RECORD), replays it (ids and log-probs must be
 exactly equal), perturbs the routers (own routing then differs), replays again (the recorded
 experts are still selected, in forward and in the activation-recompute forward of a
@@ -33,7 +33,7 @@ def sidecar(tiny_model, tmp_path_factory):
 
 def _run(tiny_model, sidecar, tmp_path, *args):
     out = tmp_path / "r.json"
-    p = run_py(["-m", "trainer_hooks.megatron.recompute", "--model", tiny_model, "--sidecar",
+    p = run_py(["-m", "trainer_hooks.megatron.harness.recompute", "--model", tiny_model, "--sidecar",
                 sidecar, "--out", str(out), "--check-record", *args], timeout=420)
     assert p.returncode == 0, p.stderr[-4000:]
     return json.loads(out.read_text())
@@ -128,7 +128,7 @@ def test_left_padded_batches(tiny_model, sidecar, tmp_path, world1):
 
 
 def test_context_parallel_is_refused_with_reason(tiny_model, sidecar, tmp_path):
-    p = run_py(["-m", "trainer_hooks.megatron.recompute", "--model", tiny_model, "--sidecar",
+    p = run_py(["-m", "trainer_hooks.megatron.harness.recompute", "--model", tiny_model, "--sidecar",
                 sidecar, "--out", str(tmp_path / "r.json"), "--parallel", "cp=2"], timeout=120)
     assert p.returncode == 2
     assert "cp > 1 cannot run on CPU" in p.stderr and "TEDotProductAttention" in p.stderr

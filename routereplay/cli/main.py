@@ -8,7 +8,8 @@ packages (in subprocesses).
     routereplay convert --from {npy,vllm,vllm-b64,sglang-b64,sglang-json} INPUT --out SIDECAR
                         (--config DIR | --num-experts E --top-k K [--moe-layers 1,3-5])
     routereplay export SIDECAR --sample ID --out FILE.npy [--full-layers]
-    routereplay verify SIDECAR --model DIR [--trainer hf|megatron] [--json P] [--plot P.png]
+    routereplay verify SIDECAR --model DIR [--trainer hf|megatron] [--device D] [--json P]
+                       [--plot P.png]
 """
 from __future__ import annotations
 
@@ -171,8 +172,6 @@ def _cmd_export(a: argparse.Namespace) -> int:
 
 
 def _cmd_verify(a: argparse.Namespace) -> int:
-    import numpy as np
-
     from routereplay import verify
     from routereplay.errors import AlignmentError
     from routereplay.schema import RoutingSchema
@@ -192,24 +191,25 @@ def _cmd_verify(a: argparse.Namespace) -> int:
             raise AlignmentError(f"sample {rec.sample_id!r}: the sidecar holds no token ids, "
                                  "prompt length or engine log-probs to verify against")
     if a.trainer == "hf":
-        from trainer_hooks.hf.verify import recompute          # lazy: trainer side
-        passes = recompute(a.model, records, schema, progress=not a.no_progress)
+        from trainer_hooks.hf.recompute import recompute     # lazy: trainer side
+        summary = verify.summarize(records, recompute(a.model, records, schema,
+                                                      device=a.device,
+                                                      progress=not a.no_progress))
     else:
         import subprocess
         import tempfile
         with tempfile.TemporaryDirectory() as tmp:
-            raw = os.path.join(tmp, "raw.npz")
-            cmd = [sys.executable, "-m", "trainer_hooks.megatron.recompute", "--model", a.model,
-                   "--sidecar", a.sidecar, "--out", os.path.join(tmp, "r.json"), "--raw", raw]
+            out = os.path.join(tmp, "r.json")
+            cmd = [sys.executable, "-m", "trainer_hooks.megatron.harness.recompute",
+                   "--model", a.model, "--sidecar", a.sidecar, "--out", out]
             if a.limit:
                 cmd += ["--limit", str(a.limit)]
             p = subprocess.run(cmd, capture_output=True, text=True, timeout=a.timeout)
             if p.returncode != 0:
                 raise RouteReplayError(f"megatron-core recompute failed: {p.stderr[-2000:]}")
-            with np.load(raw, allow_pickle=False) as z:
-                passes = {c: [(z[f"{c}_lp"][j], z[f"{c}_used"][j]) for j in range(len(records))]
-                          for c in verify.CONDITIONS}
-    summary = verify.summarize(records, passes)
+            # NOTE: the recompute computed the metrics (verify.summarize) once, from the
+            # experts in router column order; they are read back, not recomputed.
+            summary = verify.load_summary(out)
     print(verify.format_report(summary))
     if a.json:
         out = {k: v for k, v in summary.items() if k != "deltas"}
@@ -289,6 +289,9 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("--json", help="write the metrics here")
     v.add_argument("--plot", help="write a PNG: delta logp distributions, per-layer agreement")
     v.add_argument("--limit", type=int, help="only the first N samples")
+    v.add_argument("--device", default=None,
+                   help="--trainer hf: torch device of the model (default cuda when available, "
+                        "else cpu)")
     v.add_argument("--no-progress", action="store_true")
     v.add_argument("--timeout", type=float, default=3600, help="megatron subprocess timeout (s)")
     v.set_defaults(func=_cmd_verify)

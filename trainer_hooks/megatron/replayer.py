@@ -16,68 +16,79 @@ that ``forward_backward_func`` gets, one chunk without VPP)::
 
 How it works (and why it is right under 1F1B, interleaved VPP and activation recompute):
 
-- Replay data is keyed by (microbatch key, model chunk), never by call order. Entering
-  :meth:`RouterReplayer.microbatch` decodes, from the source, only this rank's samples,
-  token positions (after the context-parallel zig-zag and sequence-parallel split) and the
-  chunk's MoE layers, validates them and holds them.
+- Replay data is keyed by (microbatch key, model chunk), never by call order. Loading a
+  microbatch fetches from the routing source (routereplay.source) only this rank's
+  samples, token positions (after the context-parallel zig-zag and sequence-parallel split)
+  and the chunk's MoE layers, aligns and validates them. A background thread loads the next
+  microbatches of the step (``prefetch`` ahead, in the order of ``microbatches``) while the
+  current one computes; :meth:`RouterReplayer.microbatch` takes the loaded rows (waiting
+  only if they are not ready) and starts one host-to-device copy of them.
 - A forward hook wraps the chunk's output in an identity autograd node tagged with the key;
   its backward runs first in that microbatch's backward and tells the routers which
   microbatch the activation-recompute forward belongs to. A pre-hook on the chunk's first
   decoder layer adds a second tag whose backward runs last: the data is released there
   (forward-only passes under ``torch.no_grad()`` release at the end of the forward; with
   grad enabled but no backward, data stays held until the step ends). So a rank holds
-  routing only for the microbatches in flight.
+  routing only for the microbatches in flight (and the ones prefetched).
 - The recompute forward reuses the exact expert ids the first forward used (replayed rows
   and per-token fallback rows alike), so backward follows the forward's path.
 - megatron-core's ``RouterReplay.get_replay_topk`` is swapped for the duration of
   :meth:`RouterReplayer.step` only, and only routers registered with this replayer are
   affected; MTP routers keep their own routing (they are never fed backbone routes).
 
+GPU hot path (DESIGN.md): a router call reads nothing back from the device. Which layers
+have rows without routing, and how many rows are replayed or fall back, is known on the host
+when the microbatch is loaded; the fallback merge is a ``torch.where`` on the device; the
+dropped-assignment counter (capacity factor only) accumulates on the device and is read once
+when :meth:`RouterReplayer.step` exits. :attr:`RouterReplayer.on_used` is an opt-in
+debugging hook that does read back.
+
+Shapes follow the legend in :mod:`routereplay` (N router rows of a rank, L_local MoE layers
+of a model chunk, K = top_k, E = num_experts).
+
 Supported: megatron-core 0.16.x-0.19.x (``TransformerConfig.moe_enable_routing_replay``).
 """
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import dataclasses
+import threading
 import time
-from typing import Any, Iterator, Mapping, Sequence
+from typing import Any, Callable, Iterator, Mapping, Sequence
 
 import numpy as np
 import torch
 
 from routereplay import align
-from routereplay.errors import AlignmentError, SchemaError
+from routereplay.errors import AlignmentError, ConfigError, RouteReplayError, SchemaError
 from routereplay.schema import RoutingSchema, schema_layers_for
+from routereplay.source import RoutingSource, as_source
+
+# own_topk(scores [N, E], topk, num_groups, group_topk, default_compute_topk)
+#   -> (probs [N, K], ids int64 [N, K]); megatron's RouterReplay.get_replay_topk arguments.
+TopK = Callable[..., tuple[torch.Tensor, torch.Tensor]]
 
 
-# Selection-only router noise (see selection_noise); None when off.
-_SELECT_NOISE: dict | None = None
+class UnknownMicrobatchError(RouteReplayError, KeyError):
+    """``microbatch(key)`` with a key that is not in the step's microbatches (a KeyError,
+    as before)."""
+
+    def __str__(self) -> str:          # KeyError would print the repr of the message
+        return str(self.args[0]) if self.args else ""
 
 
-def own_topk(scores, topk, num_groups, group_topk, default_compute_topk):
-    """The trainer's own top-k (megatron's ``_compute_topk``); with :func:`selection_noise`
-    on, near-ties are broken by noise while gate values are still gathered from the exact
-    scores."""
-    if _SELECT_NOISE is None:
-        return default_compute_topk(scores, topk, num_groups=num_groups, group_topk=group_topk)
-    noise = torch.randn(scores.shape, generator=_SELECT_NOISE["gen"], dtype=torch.float32)
-    _, idx = default_compute_topk(scores + (_SELECT_NOISE["std"] * noise).to(scores.dtype), topk,
-                                  num_groups=num_groups, group_topk=group_topk)
-    return scores.gather(1, idx), idx
+class ReplayStateError(RouteReplayError, RuntimeError):
+    """The replayer is used in a state where replay would be wrong: a nested or repeated
+    ``step()``, ``microbatch()`` outside a step or nested in one of the same chunk, a second
+    forward of a microbatch whose backward is pending, two replayers on one model (a
+    RuntimeError, as before)."""
 
 
-@contextlib.contextmanager
-def selection_noise(std: float, seed: int = 0) -> Iterator[None]:
-    """Add N(0, std^2) noise to the router scores used for the trainer's own top-k
-    *selection* only (gate values stay exact): isolates what routing flips alone do, as when
-    engine and trainer break near-ties differently. Replayed rows are unaffected."""
-    global _SELECT_NOISE
-    old = _SELECT_NOISE
-    _SELECT_NOISE = {"std": float(std), "gen": torch.Generator().manual_seed(seed)} if std else None
-    try:
-        yield
-    finally:
-        _SELECT_NOISE = old
+def megatron_topk(scores, topk, num_groups, group_topk, default_compute_topk):
+    """The trainer's own top-k: megatron's ``_compute_topk`` (the replayer's default
+    :attr:`RouterReplayer.own_topk`)."""
+    return default_compute_topk(scores, topk, num_groups=num_groups, group_topk=group_topk)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -103,22 +114,28 @@ class Microbatch:
 
 @dataclasses.dataclass
 class ReplayStats:
-    """Counters of one step.
+    """Counters of one step (read them after :meth:`RouterReplayer.step` exits).
 
     Attributes:
-        bytes_decoded: id bytes this rank decoded from the source (at the record's dtype,
+        bytes_decoded: id bytes this rank fetched from the source (at the record's dtype,
             uint8/uint16): only its samples, token ranges and layers.
-        bytes_held: id bytes currently held for replay ([N, L_local, K] per microbatch in
-            flight, padding rows included; int16, int32 above 32767 experts).
-        peak_bytes_held: maximum of bytes_held during the step.
+        bytes_held: replay id bytes currently held, loaded ahead or in flight
+            ([N, L_local, K] per (microbatch, chunk), padding rows included; int16, int32
+            above 32767 experts; once on the host or, after the copy, on the model's device).
+        peak_bytes_held: maximum of bytes_held during the step (prefetched rows included).
         replayed_rows / fallback_rows: (token, layer) rows that used recorded routing / the
             fallback (padding rows excluded), counted on first forward only.
         dropped_assignments: (token, expert) assignments removed by capacity-factor token
-            dropping after replay.
+            dropping after replay (0 without a capacity factor).
         microbatches: (microbatch, model chunk) loads in the step.
-        peak_microbatches_held: most (microbatch, model chunk) entries held at once.
-        load_seconds: wall time spent decoding, aligning and validating rows (seconds).
-        select_seconds: wall time spent in the routers' replay selection (seconds).
+        prefetched: loads of them that ran on the background thread.
+        peak_microbatches_held: most (microbatch, model chunk) entries in flight at once
+            (entered and not yet released; prefetched ones not counted).
+        load_seconds: time spent fetching, aligning and validating rows, on the background
+            thread or in ``microbatch()`` (seconds).
+        wait_seconds: time ``microbatch()`` blocked its caller: waiting for, or doing, the
+            load, and starting the host-to-device copy (seconds).
+        select_seconds: time spent in the routers' replay selection (seconds).
     """
 
     bytes_decoded: int = 0
@@ -128,9 +145,39 @@ class ReplayStats:
     fallback_rows: int = 0
     dropped_assignments: int = 0
     microbatches: int = 0
+    prefetched: int = 0
     peak_microbatches_held: int = 0
     load_seconds: float = 0.0
+    wait_seconds: float = 0.0
     select_seconds: float = 0.0
+
+    @property
+    def blocking_seconds(self) -> float:
+        """Time the replayer kept the training loop's thread busy: wait + select (seconds)."""
+        return self.wait_seconds + self.select_seconds
+
+
+@dataclasses.dataclass(frozen=True)
+class RouterCall:
+    """What one router is replaying right now (:meth:`RouterReplayer.router_call`).
+
+    Attributes:
+        key: the microbatch key.
+        chunk: index of the model chunk.
+        local_layer: index of the router among the chunk's MoE layers (0 .. L_local - 1).
+        layer_id: the router's decoder layer (0-based).
+        recompute: True in the activation-recompute forward (inside backward).
+        used: int64 [N, K] on the model's device, the experts this router selected in the
+            microbatch's first forward (replayed or fallback; None before it ran). Do not
+            modify it.
+    """
+
+    key: Any
+    chunk: int
+    local_layer: int
+    layer_id: int
+    recompute: bool
+    used: torch.Tensor | None
 
 
 def _unwrap_config(chunk: Any):
@@ -179,8 +226,24 @@ class _Tag(torch.autograd.Function):
 
 
 @dataclasses.dataclass
+class _Loaded:
+    """Host side of one (microbatch, chunk), as the loader leaves it."""
+
+    ids: torch.Tensor                  # int16/int32 [N, L_local, K] (pinned for CUDA), -1 = none
+    tmap: align.TokenMap
+    own_layers: tuple[bool, ...]       # per local layer: some row takes the own top-k
+    replayed: tuple[int, ...]          # per local layer: real rows with recorded routing
+    fallback: tuple[int, ...]          # per local layer: real rows without
+
+    @property
+    def nbytes(self) -> int:
+        return self.ids.numel() * self.ids.element_size()
+
+
+@dataclasses.dataclass
 class _Held:
-    ids: torch.Tensor                  # int16/int32 [N, L_local, K], -1 = no routing
+    loaded: _Loaded
+    ids: torch.Tensor                  # the loaded ids on the model's device
     used: dict[int, torch.Tensor]      # local layer -> int64 [N, K] selected in forward
     backward: bool = False
 
@@ -194,34 +257,58 @@ class RouterReplayer:
         fallback: for rows without routing: "own" (the trainer's own top-k for that token)
             or "dummy" (distinct ids ``(n*K + arange(K)) % E``, for dispatchers that need fixed
             counts).
-        validate: check id range, duplicates, partial rows and group limits before replay.
+        validate: check what the layout adds (partial rows, routing on padding, group
+            limits) before replay; the ids themselves are checked by the source.
         num_groups, topk_group: group-limited routing to validate against (default from the
             config's moe_router_num_groups / moe_router_group_topk).
         min_coverage: raise if fewer than this share of a microbatch's token rows carry
             routing (0 = no check).
+        prefetch: microbatches of each model chunk loaded ahead on a background thread
+            (fetch + align + validate), in the order of the step's ``microbatches``; 0 loads
+            each one in ``microbatch()``. Prefetched rows count in ``stats.bytes_held``.
     Raises:
         SchemaError: see :func:`check_config`; a router's layer is not an MoE layer of the
             schema.
+        ConfigError: a bad ``fallback`` or ``prefetch``.
+
+    Attributes:
+        layers: per model chunk, ``[(router module, decoder layer id), ...]`` in layer order
+            (MTP routers apart, in ``mtp_routers``).
+        record_layers: per model chunk, the MoE-axis positions of its layers in the records.
+        stats: :class:`ReplayStats` of the current or last step.
+        own_topk: the trainer's own top-k, used for fallback rows and MTP routers
+            (:func:`megatron_topk`; replace it to experiment, e.g. with tie-breaking noise).
+        on_used: optional debugging callback ``(key, chunk, local_layer, token_map,
+            used int64 [N, K] on the CPU)`` called once per (microbatch, layer) in the first
+            forward; it copies to the host, so it synchronises with the device.
     """
 
     def __init__(self, model: Any, schema: RoutingSchema, *, fallback: str = "own",
                  validate: bool = True, num_groups: int | None = None,
-                 topk_group: int | None = None, min_coverage: float = 0.0):
+                 topk_group: int | None = None, min_coverage: float = 0.0, prefetch: int = 2):
         if fallback not in ("own", "dummy"):
-            raise ValueError(f"fallback must be 'own' or 'dummy', got {fallback!r}")
+            raise ConfigError(f"fallback must be 'own' or 'dummy', got {fallback!r}")
+        if not isinstance(prefetch, int) or prefetch < 0:
+            raise ConfigError(f"prefetch must be an int >= 0, got {prefetch!r}")
         self.chunks = list(model) if isinstance(model, (list, tuple)) else [model]
         self.schema = schema
         self.fallback = fallback
         self.validate = validate
         self.min_coverage = float(min_coverage)
+        self.prefetch = prefetch
         cfg = _unwrap_config(self.chunks[0])
         check_config(cfg, schema)
         self.config = cfg
         self.num_groups = num_groups or getattr(cfg, "moe_router_num_groups", None)
         self.topk_group = topk_group or getattr(cfg, "moe_router_group_topk", None)
-        # chunk -> [(router module, decoder layer id)], MTP routers apart.
+        # NOTE: without a capacity factor megatron drops nothing after the top-k, so the
+        # router hook need not count (and launches no kernel).
+        self._count_drops = getattr(cfg, "moe_expert_capacity_factor", None) is not None
+        self.own_topk: TopK = megatron_topk
+        self.on_used: Callable[..., None] | None = None
         self.layers: list[list[tuple[Any, int]]] = []
         self.mtp_routers: list[Any] = []
+        self._where: dict[int, tuple[int, int]] = {}      # id(router) -> (chunk, local layer)
         for ch in self.chunks:
             mine = []
             for name, m in ch.named_modules():
@@ -237,10 +324,47 @@ class RouterReplayer:
                 mine.append((m, int(m.layer_number) - 1))
             mine.sort(key=lambda t: t[1])
             self.layers.append(mine)
+        for ci, mine in enumerate(self.layers):
+            for li, (router, _) in enumerate(mine):
+                self._where[id(router)] = (ci, li)
         self.record_layers = [schema_layers_for(schema, [lid for _, lid in ch])
                               for ch in self.layers]
+        self._dtype = align.replay_dtype(schema.num_experts)
         self.stats = ReplayStats()
+        self._lock = threading.Lock()
         self._active = False
+        self._held: dict[tuple[Any, int], _Held] = {}
+        self._fwd: list[Any] = [None] * len(self.chunks)
+        self._bwd: list[Any] = [None] * len(self.chunks)
+
+    # -- public read-only views ---------------------------------------------------------
+    @property
+    def held(self) -> tuple[tuple[Any, int], ...]:
+        """(microbatch key, chunk index) of every entry in flight (entered, not released)."""
+        return tuple(self._held)
+
+    def router_call(self, router: Any) -> RouterCall | None:
+        """What ``router`` is replaying now: call it from the router's own forward hooks
+        (checks, debugging). None outside a replayed call (no step, no microbatch, an MTP
+        or foreign router)."""
+        where = self._where.get(id(router))
+        if where is None or not self._active:
+            return None
+        ci, li = where
+        key = self._fwd[ci]
+        recompute = key is None
+        if recompute:
+            key = self._bwd[ci] if torch._C._current_graph_task_id() != -1 else None
+        held = self._held.get((key, ci)) if key is not None else None
+        if held is None:
+            return None
+        return RouterCall(key=key, chunk=ci, local_layer=li, layer_id=self.layers[ci][li][1],
+                          recompute=recompute, used=held.used.get(li))
+
+    def token_map(self, key: Any) -> align.TokenMap:
+        """This rank's router rows for microbatch ``key`` of the current step (see
+        routereplay.align)."""
+        return align.token_map(self._mbs[key].layout, self._shard)
 
     # -- step -------------------------------------------------------------------------
     @contextlib.contextmanager
@@ -249,30 +373,43 @@ class RouterReplayer:
         """Replay for one training or log-prob step; every state is cleared on exit.
 
         Args:
-            source: a ``routereplay.sidecar.SidecarReader`` (decoded lazily, by sample, token
-                range and layer group), a mapping sample id -> RoutingRecord, or None (no
-                routing: every row takes the fallback, i.e. the trainer's own routing).
-            microbatches: key -> Microbatch (a sequence is keyed by index).
+            source: a routing source (routereplay.source.RoutingSource: a
+                ``SidecarReader``, an ``InMemorySource``), a mapping sample id ->
+                RoutingRecord, or None (no routing: every row takes the fallback, i.e. the
+                trainer's own routing). The prefetch thread is the only one that reads it
+                during the step.
+            microbatches: key -> Microbatch, in the order the schedule runs them (a sequence
+                is keyed by index); prefetch follows this order.
             shard: this rank's CP/SP place (default: read from megatron's parallel_state
                 and the config's sequence_parallel).
+        Raises:
+            ReplayStateError (a RuntimeError): nested steps, or another replayer replaying
+                into this model.
+            SchemaError / RecordError / ConfigError: see routereplay.source.as_source.
         """
         if self._active:
-            raise RuntimeError("RouterReplayer.step is not re-entrant")
+            raise ReplayStateError("RouterReplayer.step is not re-entrant")
         for layers in self.layers:
             for router, _ in layers:
                 other = getattr(router.router_replay, "_rr_slot", None)
                 if other is not None:
-                    raise RuntimeError("another RouterReplayer is replaying into this model: "
-                                       "one step at a time per model")
+                    raise ReplayStateError("another RouterReplayer is replaying into this "
+                                           "model: one step at a time per model")
         from megatron.core.transformer.moe.router_replay import RouterReplay
-        self._source = source
+        self._source: RoutingSource = as_source(source, self.schema)
         self._mbs = dict(enumerate(microbatches)) if not isinstance(microbatches, Mapping) \
             else dict(microbatches)
+        self._order = list(self._mbs)
+        self._pos = {k: i for i, k in enumerate(self._order)}
         self._shard = shard or _current_shard(self.config)
-        self._held: dict[tuple[Any, int], _Held] = {}
-        self._tmaps: dict[tuple[Any, int], align.TokenMap] = {}
-        self._fwd: list[Any] = [None] * len(self.chunks)
-        self._bwd: list[Any] = [None] * len(self.chunks)
+        self._devices = [_chunk_device(layers) for layers in self.layers]
+        self._held = {}
+        self._pending: dict[tuple[Any, int], concurrent.futures.Future] = {}
+        self._pool: concurrent.futures.ThreadPoolExecutor | None = None
+        self._fwd = [None] * len(self.chunks)
+        self._bwd = [None] * len(self.chunks)
+        self._routed: dict[torch.device, torch.Tensor] = {}   # device sums of routing maps
+        self._expected_routed = 0
         self.stats = ReplayStats()
         orig = RouterReplay.get_replay_topk
         replayer = self
@@ -289,7 +426,8 @@ class RouterReplayer:
         for ci, ch in enumerate(self.chunks):
             for li, (router, _) in enumerate(self.layers[ci]):
                 router.router_replay._rr_slot = (self, ci, li)
-                hooks.append(router.register_forward_hook(self._router_hook))
+                if self._count_drops:
+                    hooks.append(router.register_forward_hook(self._router_hook))
             for router in self.mtp_routers:
                 router.router_replay._rr_slot = (self, None, None)
             hooks.append(ch.register_forward_hook(self._chunk_output_hook(ci)))
@@ -300,6 +438,11 @@ class RouterReplayer:
         RouterReplay.get_replay_topk = get_replay_topk
         self._active = True
         try:
+            if self.prefetch:
+                self._pool = concurrent.futures.ThreadPoolExecutor(
+                    max_workers=1, thread_name_prefix="routereplay-prefetch")
+                for ci in range(len(self.chunks)):
+                    self._prefetch_from(0, ci)
             yield self
         finally:
             RouterReplay.get_replay_topk = orig
@@ -312,34 +455,62 @@ class RouterReplayer:
                 router.router_replay._rr_slot = None
             RouterReplay.clear_global_router_replay_action()
             RouterReplay.clear_global_indices()
+            if self._pool is not None:
+                # NOTE: the source is not read after step() returns: queued loads are
+                # cancelled, a running one is waited for.
+                self._pool.shutdown(wait=True, cancel_futures=True)
+                self._pool = None
+            self._pending.clear()
             self._held.clear()
-            self._tmaps.clear()
             self.stats.bytes_held = 0
+            if self._routed:
+                # the one read-back of the step (capacity factor only)
+                routed = sum(int(t.item()) for t in self._routed.values())
+                self.stats.dropped_assignments = self._expected_routed - routed
+            self._routed = {}
             self._source = None
             self._active = False
 
     @contextlib.contextmanager
     def microbatch(self, key: Any, chunk: Any = None) -> Iterator[None]:
         """Context for one forward of microbatch ``key`` through ``chunk`` (default: the
-        only chunk). Loads this rank's rows for the chunk's layers on entry.
+        only chunk). Takes this rank's rows for the chunk's layers (loaded ahead, or loaded
+        now) and starts their copy to the model's device.
 
         Raises:
-            KeyError: unknown key; AlignmentError: the rows fail validation or coverage.
+            UnknownMicrobatchError (a KeyError): unknown key. ReplayStateError (a
+                RuntimeError): outside a step, nested in a microbatch of the same chunk, or
+                a second forward whose first one's backward is pending. An error of loading
+                the microbatch (an unknown sample,
+                corrupt data, AlignmentError from validation or coverage), also one met
+                while it was prefetched; RouteReplayError messages are prefixed with the
+                microbatch key (and chunk with VPP).
         """
         if not self._active:
-            raise RuntimeError("RouterReplayer.microbatch outside RouterReplayer.step")
+            raise ReplayStateError("RouterReplayer.microbatch outside RouterReplayer.step")
         ci = self._chunk_index(chunk)
         if self._fwd[ci] is not None:
-            raise RuntimeError(f"RouterReplayer.microbatch({key!r}) inside microbatch("
+            raise ReplayStateError(f"RouterReplayer.microbatch({key!r}) inside microbatch("
                                f"{self._fwd[ci]!r}) of the same model chunk")
         if key not in self._mbs:
-            raise KeyError(f"microbatch key {key!r} is not in this step's microbatches "
-                           f"({len(self._mbs)} keys)")
+            raise UnknownMicrobatchError(f"microbatch key {key!r} is not in this step's "
+                                         f"microbatches ({len(self._mbs)} keys)")
         if (key, ci) in self._held:
-            raise RuntimeError(f"microbatch {key!r} is forwarded a second time while its first "
+            raise ReplayStateError(f"microbatch {key!r} is forwarded a second time while its first "
                                "forward's backward is still pending: one forward per "
                                "microbatch key and model chunk in a step")
-        self._load(key, ci)
+        t0 = time.perf_counter()
+        if self._pool is not None:
+            self._prefetch_from(self._pos[key] + 1, ci)
+        loaded = self._take(key, ci)
+        dev = self._devices[ci]
+        # NOTE: one copy per (microbatch, chunk), from pinned memory, not waited for: the
+        # router kernels that read it are queued behind it on the same stream.
+        ids = loaded.ids if dev.type == "cpu" else loaded.ids.to(dev, non_blocking=True)
+        self._held[(key, ci)] = _Held(loaded=loaded, ids=ids, used={})
+        self.stats.peak_microbatches_held = max(self.stats.peak_microbatches_held,
+                                                len(self._held))
+        self.stats.wait_seconds += time.perf_counter() - t0
         self._fwd[ci] = key
         try:
             yield
@@ -349,57 +520,54 @@ class RouterReplayer:
             if h is not None and not h.backward:
                 self._release(key, ci)      # forward-only pass (or no graph): done
 
-    # Optional callback(key, chunk_index, local_layer, token_map, used int64 [N, K]) called
-    # once per (microbatch, layer) in the first forward: used by tests and metrics.
-    on_used = None
-
-    # -- internals --------------------------------------------------------------------
+    # -- internals: loading ---------------------------------------------------------------
     def _chunk_index(self, chunk: Any) -> int:
         if chunk is None:
             if len(self.chunks) != 1:
-                raise ValueError("several model chunks (VPP): pass the chunk to microbatch()")
+                raise ConfigError("several model chunks (VPP): pass the chunk to microbatch()")
             return 0
         for i, c in enumerate(self.chunks):
             if c is chunk:
                 return i
-        raise ValueError("microbatch(): chunk is not one of the replayer's model chunks")
+        raise ConfigError("microbatch(): chunk is not one of the replayer's model chunks")
 
-    def token_map(self, key: Any) -> align.TokenMap:
-        """This rank's router rows for microbatch ``key`` (see routereplay.align)."""
-        return align.token_map(self._mbs[key].layout, self._shard)
+    def _where_named(self, key: Any, ci: int) -> str:
+        return f"microbatch {key!r}" + (f", model chunk {ci}" if len(self.chunks) > 1 else "")
 
-    def _fetch_fn(self, mb: Microbatch, layers: list[int]):
-        src = self._source
+    def _prefetch_from(self, i: int, ci: int) -> None:
+        """Queue loads of keys ``i .. i + prefetch - 1`` (step order) of chunk ``ci``."""
+        for key in self._order[i:i + self.prefetch]:
+            if (key, ci) not in self._pending and (key, ci) not in self._held:
+                self._pending[(key, ci)] = self._pool.submit(self._load, key, ci, True)
 
-        def fetch(j: int, lo: int, hi: int):
-            sid = mb.sample_ids[j]
-            if src is None:         # no routing at all: every row takes the fallback
-                return np.zeros((0, len(layers), self.schema.top_k), np.int64), lo
-            if isinstance(src, Mapping):
-                rec = src.get(sid)
-                if rec is None:
-                    raise AlignmentError(f"sample {sid!r}: no routing record in the source")
-                a, b = max(lo, rec.start), min(hi, rec.start + rec.num_tokens)
-                if b <= a:
-                    return np.zeros((0, len(layers), self.schema.top_k), rec.ids.dtype), lo
-                ids = rec.ids[a - rec.start:b - rec.start][:, layers]
-                self.stats.bytes_decoded += ids.nbytes
-                return ids, a
-            try:
-                rec = src.read(sid, layers=layers, tokens=(lo, hi), arrays=False)
-            except KeyError:
-                raise AlignmentError(f"sample {sid!r}: not in the sidecar") from None
-            self.stats.bytes_decoded += rec.ids.nbytes
-            return rec.ids, rec.start
+    def _take(self, key: Any, ci: int) -> _Loaded:
+        fut = self._pending.pop((key, ci), None)
+        try:
+            return fut.result() if fut is not None else self._load(key, ci, False)
+        except RouteReplayError as e:
+            where = self._where_named(key, ci)
+            if e.args and isinstance(e.args[0], str) and not e.args[0].startswith(where):
+                e.args = (f"{where}: {e.args[0]}",) + e.args[1:]
+            raise
+        except Exception as e:
+            e.add_note(f"while loading routing for {self._where_named(key, ci)}")
+            raise
 
-        return fetch
-
-    def _load(self, key: Any, ci: int) -> None:
+    def _load(self, key: Any, ci: int, background: bool) -> _Loaded:
+        """Fetch, align and validate one (microbatch, chunk): host work only."""
         t0 = time.perf_counter()
         mb = self._mbs[key]
         tmap = self.token_map(key)
-        layers = self.record_layers[ci]
-        ids = align.gather_rows(tmap, self._fetch_fn(mb, layers), len(layers), self.schema.top_k)
+        moe_layers = self.record_layers[ci]
+        decoded = 0
+
+        def fetch(j: int, runs: list[tuple[int, int]]):
+            nonlocal decoded
+            rows = self._source.fetch(mb.sample_ids[j], moe_layers, runs)
+            decoded += sum(ids.nbytes for ids, _ in rows)
+            return rows
+
+        ids = align.gather_rows(tmap, fetch, len(moe_layers), self.schema.top_k, self._dtype)
         lids = [lid for _, lid in self.layers[ci]]
         if self.validate:
             align.check_rows(ids, tmap, self.schema, lids, mb.sample_ids,
@@ -407,29 +575,40 @@ class RouterReplayer:
         if self.min_coverage and ids.size:
             have, total = align.coverage(ids, tmap)
             if total and have < self.min_coverage * total:
-                raise AlignmentError(f"microbatch {key!r} (samples {list(mb.sample_ids)}): "
-                                     f"{have} of {total} token rows carry routing, below "
-                                     f"min_coverage={self.min_coverage}")
+                raise AlignmentError(f"samples {list(mb.sample_ids)}: {have} of {total} token "
+                                     f"rows carry routing, below min_coverage="
+                                     f"{self.min_coverage}")
+        real = tmap.sample >= 0
+        miss = ids[..., 0] == align.MISSING if ids.size else \
+            np.zeros(ids.shape[:2], bool)                         # [N, L_local]
+        fallback = tuple(int(x) for x in (miss & real[:, None]).sum(0))
+        replayed = tuple(int(real.sum()) - f for f in fallback)
         if self.fallback == "dummy":
             ids = align.fill_dummy(ids, self.schema.num_experts)
-        dt = torch.int16 if self.schema.num_experts <= 32767 else torch.int32
-        t = torch.from_numpy(ids).to(dt)
-        self._held[(key, ci)] = _Held(ids=t, used={})
-        self._tmaps[(key, ci)] = tmap
-        n = t.numel() * t.element_size()
-        self.stats.bytes_held += n
-        self.stats.peak_bytes_held = max(self.stats.peak_bytes_held, self.stats.bytes_held)
-        self.stats.microbatches += 1
-        self.stats.peak_microbatches_held = max(self.stats.peak_microbatches_held,
-                                                len(self._held))
-        self.stats.load_seconds += time.perf_counter() - t0
+            own = (False,) * ids.shape[1]
+        else:
+            own = tuple(bool(x) for x in miss.any(0))
+        t = torch.from_numpy(ids)
+        if self._devices[ci].type == "cuda":
+            t = t.pin_memory()
+        loaded = _Loaded(ids=t, tmap=tmap, own_layers=own, replayed=replayed, fallback=fallback)
+        with self._lock:
+            s = self.stats
+            s.bytes_decoded += decoded
+            s.bytes_held += loaded.nbytes
+            s.peak_bytes_held = max(s.peak_bytes_held, s.bytes_held)
+            s.microbatches += 1
+            s.prefetched += int(background)
+            s.load_seconds += time.perf_counter() - t0
+        return loaded
 
     def _release(self, key: Any, ci: int) -> None:
         h = self._held.pop((key, ci), None)
-        self._tmaps.pop((key, ci), None)
         if h is not None:
-            self.stats.bytes_held -= h.ids.numel() * h.ids.element_size()
+            with self._lock:
+                self.stats.bytes_held -= h.loaded.nbytes
 
+    # -- internals: router calls ------------------------------------------------------------
     def _current(self, ci: int) -> tuple[Any, _Held, bool]:
         key = self._fwd[ci]
         recompute = key is None
@@ -445,7 +624,7 @@ class RouterReplayer:
 
     def _select(self, ci, li, scores, topk, num_groups, group_topk, default_compute_topk):
         if ci is None:       # MTP router: own routing
-            return own_topk(scores, topk, num_groups, group_topk, default_compute_topk)
+            return self.own_topk(scores, topk, num_groups, group_topk, default_compute_topk)
         t0 = time.perf_counter()
         try:
             return self._select_rows(ci, li, scores, topk, num_groups, group_topk,
@@ -454,6 +633,7 @@ class RouterReplayer:
             self.stats.select_seconds += time.perf_counter() - t0
 
     def _select_rows(self, ci, li, scores, topk, num_groups, group_topk, default_compute_topk):
+        # NOTE: no value of a device tensor is read here (shapes and host data only).
         key, held, recompute = self._current(ci)
         if li in held.used:
             # NOTE: the activation-recompute forward takes exactly the experts of the first
@@ -462,24 +642,20 @@ class RouterReplayer:
             if idx.shape[0] != scores.shape[0]:
                 raise AlignmentError(self._shape_msg(key, ci, li, idx.shape[0], scores.shape[0]))
             return scores.gather(1, idx), idx
-        target = held.ids[:, li].to(torch.int64)
-        if target.shape != (scores.shape[0], topk):
-            raise AlignmentError(self._shape_msg(key, ci, li, target.shape[0], scores.shape[0]))
-        target = target.to(scores.device)
-        missing = (target < 0).any(-1, keepdim=True)
-        if bool(missing.any()):
-            _, own = own_topk(scores, topk, num_groups, group_topk, default_compute_topk)
-            idx = torch.where(missing, own, target)
+        n_rows, _, k = held.ids.shape
+        if (n_rows, k) != (scores.shape[0], topk):
+            raise AlignmentError(self._shape_msg(key, ci, li, n_rows, scores.shape[0]))
+        target = held.ids[:, li].long()
+        if held.loaded.own_layers[li]:
+            _, own = self.own_topk(scores, topk, num_groups, group_topk, default_compute_topk)
+            idx = torch.where(target[:, :1] < 0, own, target)
         else:
             idx = target
         held.used[li] = idx.detach()
-        tmap = self._tmaps[(key, ci)]
-        real = torch.from_numpy(tmap.sample >= 0)
-        nmiss = int((missing.squeeze(-1).cpu() & real).sum())
-        self.stats.fallback_rows += nmiss
-        self.stats.replayed_rows += int(real.sum()) - nmiss
+        self.stats.fallback_rows += held.loaded.fallback[li]
+        self.stats.replayed_rows += held.loaded.replayed[li]
         if self.on_used is not None:
-            self.on_used(key, ci, li, tmap, idx.detach().cpu())
+            self.on_used(key, ci, li, held.loaded.tmap, idx.detach().cpu())
         return scores.gather(1, idx), idx
 
     def _shape_msg(self, key, ci, li, n_replay, n_router) -> str:
@@ -489,12 +665,17 @@ class RouterReplayer:
                 "replayer differs from the batch the model got)")
 
     def _router_hook(self, router, inp, out):
+        # capacity-factor token dropping runs after replay inside the router: what the
+        # experts receive can be fewer than top_k experts per token. Summed on the device,
+        # read once when the step ends.
         ci = router.router_replay._rr_slot[1]
         if self._fwd[ci] is None:          # recompute forward: counted already
             return
-        # capacity-factor token dropping runs after replay inside the router: what the
-        # experts receive can be fewer than top_k experts per token.
-        self.stats.dropped_assignments += out[1].shape[0] * self.schema.top_k - int(out[1].sum())
+        routing_map = out[1]
+        s = routing_map.sum()
+        acc = self._routed.get(s.device)
+        self._routed[s.device] = s if acc is None else acc + s
+        self._expected_routed += routing_map.shape[0] * self.schema.top_k
 
     def _chunk_output_hook(self, ci: int):
         def hook(module, args, out):
@@ -532,6 +713,15 @@ class RouterReplayer:
                 return args, kwargs
             return (tagged,) + tuple(args[1:]), kwargs
         return hook
+
+
+def _chunk_device(layers: list[tuple[Any, int]]) -> torch.device:
+    """The device a chunk's routers compute on (their weight's), CPU for none."""
+    for router, _ in layers:
+        w = getattr(router, "weight", None)
+        if torch.is_tensor(w):
+            return w.device
+    return torch.device("cpu")
 
 
 def _first_decoder_layer(chunk: Any):

@@ -19,7 +19,7 @@ from routereplay.record import RoutingRecord
 from routereplay.schema import RoutingSchema
 from routereplay.sidecar import SidecarReader, write_records
 
-TRAINER_MODEL_TYPES = ("qwen3_moe",)   # trainer_hooks/megatron/hf_qwen3_moe.py
+TRAINER_MODEL_TYPES = ("qwen3_moe",)   # trainer_hooks/megatron/harness/qwen3_moe.py
 METRIC_KEYS = ("routing_agreement", "k3_kl", "mean_abs_dlogp", "max_abs_dlogp",
                "extreme_token_fraction")
 
@@ -95,7 +95,7 @@ def run_demo(cfg: DemoConfig) -> dict[str, Any]:
                         f"{', '.join(TRAINER_MODEL_TYPES)} checkpoints to megatron-core")
 
     # NOTE: a bad layout fails here, before the (minutes-long) rollout.
-    from trainer_hooks.megatron.parallel import ParallelSpec   # lazy: only the demo needs it
+    from trainer_hooks.megatron.harness.parallel import ParallelSpec   # lazy: demo only
     layout = ParallelSpec.parse(cfg.trainer_parallel)
 
     work = cfg.workdir or tempfile.mkdtemp(prefix="routereplay-demo-")
@@ -115,7 +115,7 @@ def run_demo(cfg: DemoConfig) -> dict[str, Any]:
         + (["--update-from", model] if cfg.update_midway else []),
         engine_env(), cfg.rollout_timeout_s, paths["rollout_log"])
     _run_stage("megatron-core recompute", [
-        sys.executable, "-m", "trainer_hooks.megatron.recompute", "--model", model,
+        sys.executable, "-m", "trainer_hooks.megatron.harness.recompute", "--model", model,
         "--sidecar", paths["sidecar"], "--out", paths["trainer"],
         "--router-perturb", str(cfg.router_perturb),
         "--router-select-noise", str(cfg.router_select_noise), "--seed", str(cfg.seed),

@@ -1,5 +1,5 @@
-"""Parallel layouts for megatron-core on CPU: spec, process launch (gloo), model chunks and
-sharded loading of a HF checkpoint.
+"""Parallel layouts for megatron-core (harness): spec, process launch (gloo), model chunks
+and sharded loading of a HF checkpoint.
 
 A layout is written like ``tp=2,sp`` / ``ep=2`` / ``ep=2,dispatcher=allgather`` /
 ``pp=2,vpp=2`` / ``dp=2``. World size = tp * pp * cp * dp; expert parallelism takes its
@@ -155,14 +155,15 @@ def launch(spec: ParallelSpec, fn: Callable, *args: Any) -> None:
         raise RouteReplayError(f"a trainer rank failed ({e}); see the rank's error above") from None
 
 
-def init(spec: ParallelSpec, rank: int, world: int) -> None:
-    """CPU shim, gloo process group and megatron's model-parallel state for ``spec``."""
+def init(spec: ParallelSpec, rank: int, world: int, backend: str = "gloo") -> None:
+    """CPU shim (without CUDA only), the process group (``backend``: gloo, or nccl on
+    GPUs) and megatron's model-parallel state for ``spec``."""
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
-    from trainer_hooks.megatron.compat import apply_cpu_shim
+    from trainer_hooks.megatron.harness.cpu_shim import apply_cpu_shim
     apply_cpu_shim()
     if not dist.is_initialized():
-        dist.init_process_group("gloo", rank=rank, world_size=world)
+        dist.init_process_group(backend, rank=rank, world_size=world)
     if ps.model_parallel_is_initialized():
         ps.destroy_model_parallel()
     ps.initialize_model_parallel(
@@ -207,8 +208,11 @@ def config_overrides(spec: ParallelSpec, recompute: bool) -> dict[str, Any]:
     return kw
 
 
-def build_chunks(hf: dict[str, Any], config, spec: ParallelSpec) -> list:
-    """GPTModel chunks of this rank (one, or ``vpp`` with interleaving), local spec.
+def build_chunks(hf: dict[str, Any], config, spec: ParallelSpec, *,
+                 max_sequence_length: int = 4096, use_te: bool = False) -> list:
+    """GPTModel chunks of this rank (one, or ``vpp`` with interleaving) for the HF
+    Qwen3-MoE config ``hf`` and its megatron ``config`` (qwen3_moe.transformer_config):
+    megatron's local layer spec, or Transformer Engine's with ``use_te``.
 
     NOTE: megatron-core keeps RouterReplay instances in a class-level list; it is cleared
     first so it holds exactly this rank's routers.
@@ -218,19 +222,21 @@ def build_chunks(hf: dict[str, Any], config, spec: ParallelSpec) -> list:
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
     from megatron.core.transformer.moe.router_replay import RouterReplay
 
+    from trainer_hooks.megatron.harness.qwen3_moe import rotary_base
     RouterReplay.clear_global_router_replay_instances()
     chunks = []
     for vp in (range(spec.vpp) if spec.vpp else [None]):
         if vp is None:
             pre, post = ps.is_pipeline_first_stage(), ps.is_pipeline_last_stage()
-            block = get_gpt_decoder_block_spec(config, use_transformer_engine=False)
+            block = get_gpt_decoder_block_spec(config, use_transformer_engine=use_te)
         else:
             pre = ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp)
             post = ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp)
-            block = get_gpt_decoder_block_spec(config, use_transformer_engine=False, vp_stage=vp)
+            block = get_gpt_decoder_block_spec(config, use_transformer_engine=use_te,
+                                               vp_stage=vp)
         m = GPTModel(config=config, transformer_layer_spec=block, vocab_size=hf["vocab_size"],
-                     max_sequence_length=4096, position_embedding_type="rope",
-                     rotary_base=config.__dict__["_rr_rotary_base"],
+                     max_sequence_length=max_sequence_length, position_embedding_type="rope",
+                     rotary_base=rotary_base(hf),
                      share_embeddings_and_output_weights=bool(hf.get("tie_word_embeddings")),
                      parallel_output=False, pre_process=pre, post_process=post,
                      **({"vp_stage": vp} if vp is not None else {}))
@@ -243,7 +249,7 @@ _EXPERT = re.compile(r"\.local_experts\.(\d+)\.")
 
 
 def load_sharded(chunks: list, full: dict[str, torch.Tensor], config) -> None:
-    """Copy a world-1 megatron state dict (hf_qwen3_moe.hf_to_megatron_state_dict) into this
+    """Copy a world-1 megatron state dict (qwen3_moe.hf_to_megatron_state_dict) into this
     rank's chunks: local layer i -> its global layer number, local expert i -> global expert
     ``ep_rank * num_local + i``, tensor-parallel weights cut along their partition dim (the
     SwiGLU fc1 [gate; up] is cut per half, megatron's layout).

@@ -1,4 +1,4 @@
-"""Hugging Face Qwen3-MoE checkpoint -> megatron-core GPTModel (local spec, no TE).
+"""Hugging Face Qwen3-MoE checkpoint -> megatron-core GPTModel (local spec, no TE). Harness.
 
 Mapping (HF ``Qwen3MoeForCausalLM`` -> megatron-core names):
 
@@ -18,8 +18,8 @@ Router semantics: Qwen3 takes softmax over all experts, top-k, then renormalises
 (norm_topk_prob=True); that equals megatron's softmax over the top-k logits
 (``moe_router_pre_softmax=False``), and top-k selection is the same either way.
 
-Only world size 1 (no TP/EP/PP sharding of the weights) is handled here; sharded loading
-comes with the parallel layouts (see the Megatron hooks issue).
+The full (world size 1) state dict is made here; trainer_hooks.megatron.harness.parallel
+cuts it for a rank's TP/EP/PP shard.
 """
 from __future__ import annotations
 
@@ -55,7 +55,6 @@ def transformer_config(hf: dict[str, Any], *, params_dtype: torch.dtype = torch.
     if hf.get("shared_expert_intermediate_size"):
         raise SchemaError("Qwen2-MoE shared experts are not mapped yet")
     moe = set(schema.moe_layer_ids)
-    rope = hf.get("rope_parameters") or {}
     kw = dict(
         num_layers=hf["num_hidden_layers"], hidden_size=hf["hidden_size"],
         num_attention_heads=hf["num_attention_heads"],
@@ -78,28 +77,14 @@ def transformer_config(hf: dict[str, Any], *, params_dtype: torch.dtype = torch.
         gradient_accumulation_fusion=False, moe_enable_routing_replay=True,
     )
     kw.update(overrides)
-    cfg = TransformerConfig(**kw)
-    cfg.__dict__["_rr_rotary_base"] = float(rope.get("rope_theta", hf.get("rope_theta", 10000.0)))
-    return cfg
+    return TransformerConfig(**kw)
 
 
-def build_gpt_model(hf: dict[str, Any], config, *, max_sequence_length: int = 4096):
-    """Build an (uninitialised-weights) GPTModel for ``hf`` with the local layer spec.
-
-    NOTE: megatron-core keeps RouterReplay instances in a class-level list; it is cleared
-    here so the list holds exactly this model's routers.
-    """
-    from megatron.core.models.gpt import GPTModel
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
-    from megatron.core.transformer.moe.router_replay import RouterReplay
-
-    RouterReplay.clear_global_router_replay_instances()
-    spec = get_gpt_decoder_block_spec(config, use_transformer_engine=False)
-    return GPTModel(config=config, transformer_layer_spec=spec, vocab_size=hf["vocab_size"],
-                    max_sequence_length=max_sequence_length, position_embedding_type="rope",
-                    rotary_base=config.__dict__["_rr_rotary_base"],
-                    share_embeddings_and_output_weights=bool(hf.get("tie_word_embeddings")),
-                    parallel_output=False)
+def rotary_base(hf: dict[str, Any]) -> float:
+    """RoPE theta of a HF config (transformers 5 ``rope_parameters`` or the older
+    top-level ``rope_theta``); GPTModel's ``rotary_base``."""
+    rope = hf.get("rope_parameters") or {}
+    return float(rope.get("rope_theta", hf.get("rope_theta", 10000.0)))
 
 
 def hf_to_megatron_state_dict(hf_sd: dict[str, torch.Tensor], hf: dict[str, Any]) -> dict[str, torch.Tensor]:
@@ -157,25 +142,3 @@ def load_hf_checkpoint(model_dir: str) -> dict[str, torch.Tensor]:
     for f in files:
         sd.update(load_file(os.path.join(model_dir, f)))
     return {k: v.float() for k, v in sd.items()}
-
-
-def load_into(model, hf_sd: dict[str, torch.Tensor], hf: dict[str, Any]) -> None:
-    """Copy HF weights into ``model``; every model parameter must be covered.
-
-    Raises:
-        KeyError: a parameter is missing from the mapping or a shape differs.
-    """
-    mapped = hf_to_megatron_state_dict(hf_sd, hf)
-    own = model.state_dict()
-    missing = [k for k in own if k not in mapped and not k.endswith("_extra_state")
-               and "rotary" not in k and not k.endswith(".expert_bias")
-               and not k.endswith("local_tokens_per_expert")]
-    if missing:
-        raise KeyError(f"HF->Megatron mapping misses {missing[:8]}")
-    with torch.no_grad():
-        for k, v in mapped.items():
-            if k not in own:
-                raise KeyError(f"mapped key {k} not in the Megatron model")
-            if own[k].shape != v.shape:
-                raise KeyError(f"{k}: Megatron shape {tuple(own[k].shape)} vs HF {tuple(v.shape)}")
-            own[k].copy_(v.to(own[k].dtype))

@@ -1,39 +1,14 @@
-"""megatron-core version gate and the CPU/gloo shim.
+"""CPU/gloo shim: megatron-core's MoE GPTModel forward/backward on a CPU-only torch.
 
-Supported: megatron-core 0.16.x to 0.19.x (``RouterReplay`` exists from 0.16.0;
-0.17+ declares Python>=3.12 but its cp311 wheel works when installed with
-``--no-deps --ignore-requires-python``).
-
-The CPU shim lets megatron-core run MoE GPTModel forward/backward on a CPU-only torch with
-gloo (shared/recipes/megatron_cpu documents each failure it works around). It only
-replaces attributes in this process (nothing on disk), does nothing when CUDA is
+Harness, not product: shared/recipes/megatron_cpu documents each failure it works around.
+It only replaces attributes in this process (nothing on disk), does nothing when CUDA is
 available, and :func:`remove_cpu_shim` restores every replaced attribute. Because it
 patches ``torch.cuda`` process-wide, run it in processes of their own.
 """
 from __future__ import annotations
 
 import contextlib
-from importlib import metadata
 from typing import Any
-
-SUPPORTED = ((0, 16), (0, 20))
-
-
-def megatron_core_version() -> str:
-    """Installed megatron-core version; raises ImportError if absent or unsupported."""
-    try:
-        v = metadata.version("megatron-core")
-    except metadata.PackageNotFoundError:
-        raise ImportError("trainer_hooks.megatron needs megatron-core: "
-                          "pip install 'routereplay[trainer]'") from None
-    mm = tuple(int(x) for x in v.split("+")[0].split(".")[:2] if x.isdigit())
-    if not (SUPPORTED[0] <= mm < SUPPORTED[1]):
-        raise ImportError(f"megatron-core {v} is not supported: need >= 0.16 (RouterReplay) "
-                          "and < 0.20")
-    return v
-
-
-MCORE_VERSION = megatron_core_version()
 
 _saved: list[tuple[Any, str, Any]] = []
 
@@ -122,7 +97,7 @@ def apply_cpu_shim() -> bool:
 
     _set(mu, "maybe_move_tensor_to_cpu", maybe_move_tensor_to_cpu)
     _set(td, "maybe_move_tensor_to_cpu", maybe_move_tensor_to_cpu)
-    if not hasattr(mu, "te_general_gemm"):     # 0.16.x references it without TE
+    if not hasattr(mu, "te_general_gemm"):     # 0.16.x references it without TE (mcore_fixes)
         _set(mu, "te_general_gemm", None)
 
     # Sequence parallel with the local spec: build plain torch norms tagged sequence_parallel.
