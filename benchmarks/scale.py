@@ -546,9 +546,10 @@ def simulate_rank(kind: str, paths: Sequence[str], written: Written, plan: Plan,
                     share += ids.shape[0] * len(layers) * k * item
                     crc = zlib.crc32(np.ascontiguousarray(ids).tobytes(), crc)
             tracemalloc.reset_peak()
-            ids = align.gather_rows(tmap, lambda j, lo, hi: fetched[j][(lo, hi)], len(layers), k)
+            ids = align.gather_rows(tmap, lambda j, runs: [fetched[j][r] for r in runs],
+                                    len(layers), k, align.replay_dtype(schema.num_experts))
             align.check_rows(ids, tmap, schema, chunk_lids[c], sids)
-            held = ids.astype(np.int16)           # what RouterReplayer keeps ([N, L_local, K])
+            held = ids                            # what RouterReplayer keeps ([N, L_local, K])
             res.load_seconds += time.perf_counter() - t0
             res.load_cpu += time.process_time() - c0
             transient = max(tracemalloc.get_traced_memory()[1] - base, reader_peak)
