@@ -137,6 +137,14 @@ class RoutingRecord:
                     f"{n - self.prompt_len} generated tokens")
         if self.prompt_len is not None and self.prompt_len < 0:
             raise RecordError(f"sample {sid!r}: negative prompt_len {self.prompt_len}")
+        seq = self.start + self.num_tokens + 1          # tokens the rows imply
+        if self.prompt_len is not None and self.prompt_len > seq:
+            raise RecordError(f"sample {sid!r}: prompt_len {self.prompt_len} above the {seq} "
+                              f"tokens that {self.num_tokens} rows from position {self.start} "
+                              "imply")
+        if self.logprobs is not None and len(self.logprobs) > seq - (self.prompt_len or 0):
+            raise RecordError(f"sample {sid!r}: {len(self.logprobs)} log-probs, more than the "
+                              f"{seq - (self.prompt_len or 0)} generated tokens the rows imply")
         if self.token_ids is not None:
             t = np.asarray(self.token_ids)
             if t.ndim != 1 or t.dtype.kind not in "iu" or (t.size and (
@@ -178,22 +186,7 @@ class RoutingRecord:
                 f"[T, L_moe={len(layer_ids)}, top_k={schema.top_k}]")
         if ids.dtype != schema.id_dtype:
             raise RecordError(f"sample {sid!r}: ids dtype {ids.dtype} != schema {schema.id_dtype}")
-        bad = ids >= schema.num_experts
-        if bad.any():
-            t, l, k = (int(x) for x in np.argwhere(bad)[0])
-            raise RecordError(
-                f"sample {sid!r}, token {self.start + t}, layer {layer_ids[l]}: "
-                f"expert id {int(ids[t, l, k])} >= num_experts {schema.num_experts}")
-        if schema.top_k > 1 and ids.size:
-            srt = np.sort(ids, axis=-1)
-            dup = (srt[..., 1:] == srt[..., :-1]).any(-1)
-            if dup.any():
-                t, l = (int(x) for x in np.argwhere(dup)[0])
-                hint = (" (all-zero row: the capturer was never bound, or a dense layer "
-                        "was read as MoE)" if not ids[t, l].any() else "")
-                raise RecordError(
-                    f"sample {sid!r}, token {self.start + t}, layer {layer_ids[l]}: "
-                    f"duplicate expert ids {ids[t, l].tolist()} in one top-k row{hint}")
+        first_bad_row(ids, schema, self.sample_id, start=self.start, layer_ids=layer_ids)
 
     def meta(self) -> dict[str, Any]:
         """JSON-able metadata (everything but the arrays)."""
@@ -229,20 +222,101 @@ def rows_for_positions(record: RoutingRecord, positions: Sequence[int]) -> np.nd
     return (p >= record.start) & (p < record.start + record.num_tokens)
 
 
+# NOTE: checks run over row chunks of about this many ids, so their temporaries (masks,
+# sorted copies) stay a few MiB however large the array, and the first bad id is found
+# without materialising every bad position (np.argwhere over a 1 GiB mask took 1 GB).
+CHECK_CHUNK_IDS = 1 << 20
+
+
+def row_chunks(num_rows: int, ids_per_row: int) -> list[tuple[int, int]]:
+    """Row ranges ``[(a, b), ...]`` covering ``num_rows`` rows, about
+    :data:`CHECK_CHUNK_IDS` ids each."""
+    step = max(1, CHECK_CHUNK_IDS // max(1, ids_per_row))
+    return [(a, min(a + step, num_rows)) for a in range(0, num_rows, step)]
+
+
+def first_bad_row(ids: np.ndarray, schema: RoutingSchema, sample_id: str, *, start: int = 0,
+                  layer_ids: Sequence[int] | None = None, check_range: bool = True,
+                  check_duplicates: bool = True) -> None:
+    """Raise on the first id out of ``[0, num_experts)`` or repeated within its row.
+
+    Args:
+        ids: integer [T, L, top_k] (any integer dtype; checked before any narrowing).
+        start: token position of row 0; ``layer_ids``: decoder layer of each of the L
+            columns (default: the schema's MoE layers). Both only name the bad row.
+        check_range: False when the dtype and the caller already bound the range.
+        check_duplicates: False to check the range only.
+    Raises:
+        RecordError: naming the sample, token position and decoder layer (and a hint for
+            all-zero rows, the mark of an unbound capturer or a dense layer read as MoE,
+            and for ids >= num_experts, the mark of physical EPLB replica slots).
+    Work: O(ids), temporaries bounded by :data:`CHECK_CHUNK_IDS` ids.
+    """
+    layer_ids = list(schema.moe_layer_ids if layer_ids is None else layer_ids)
+    e = schema.num_experts
+    t, nl, k = ids.shape
+    signed = ids.dtype.kind == "i"
+    check_range = check_range and (signed or np.iinfo(ids.dtype).max >= e)
+    for a, b in row_chunks(t, nl * k):
+        c = ids[a:b]
+        if check_range and c.size and (int(c.max()) >= e or (signed and int(c.min()) < 0)):
+            bad = (c >= e) | (c < 0) if signed else c >= e
+            r, lyr, col = np.unravel_index(int(np.argmax(bad)), bad.shape)
+            v = int(c[r, lyr, col])
+            hint = (" (a physical EPLB replica slot? routing must be recorded as logical "
+                    "expert ids, before the EPLB mapping)") if v >= e else ""
+            raise RecordError(f"sample {sample_id!r}, token {start + a + r}, layer "
+                              f"{layer_ids[lyr]}: expert id {v} outside [0, {e}){hint}")
+        if check_duplicates and k > 1 and c.size:
+            srt = np.sort(c, axis=-1)
+            dup = (srt[..., 1:] == srt[..., :-1]).any(-1)
+            if dup.any():
+                r, lyr = np.unravel_index(int(np.argmax(dup)), dup.shape)
+                hint = (" (all-zero row: the capturer was never bound, or a dense layer "
+                        "was read as MoE)" if not c[r, lyr].any() else "")
+                raise RecordError(
+                    f"sample {sample_id!r}, token {start + a + r}, layer {layer_ids[lyr]}: "
+                    f"duplicate expert ids {c[r, lyr].tolist()} in one top-k row{hint}")
+
+
+def check_id_dtype(dtype: np.dtype, schema: RoutingSchema, sample_id: str) -> None:
+    """Refuse an integer dtype that cannot hold every expert id ``0 .. num_experts - 1``.
+
+    NOTE: such an array was already narrowed by whoever produced it (an 8-bit capture of a
+    512-expert model holds ids modulo 256): its ids look valid and are wrong.
+
+    Raises:
+        RecordError: naming the sample, the dtype and the schema's expert count.
+    """
+    dtype = np.dtype(dtype)
+    if dtype.kind not in "iu":
+        raise RecordError(f"sample {sample_id!r}: routing ids must be integers, got {dtype}")
+    if np.iinfo(dtype).max < schema.num_experts - 1:
+        raise RecordError(
+            f"sample {sample_id!r}: routing array of dtype {dtype} cannot hold expert ids up to "
+            f"{schema.num_experts - 1} (num_experts={schema.num_experts}): the ids were "
+            "narrowed (wrapped) before they got here; capture them as "
+            f"{schema.id_dtype} or wider")
+
+
 def checked_moe_ids(arr: np.ndarray, schema: RoutingSchema, sample_id: str, *, start: int = 0,
-                    full_layout: bool = True) -> np.ndarray:
+                    full_layout: bool = True, check_duplicates: bool = False) -> np.ndarray:
     """An engine's integer ids -> the record's ids, range-checked before narrowing.
 
     Args:
         arr: int [T, num_hidden_layers, top_k] (``full_layout``: vLLM/SGLang layout, dense
             layers zero-filled) or int [T, L_moe, top_k].
         start: token position of row 0 (for error messages).
+        check_duplicates: also refuse a row repeating an expert (otherwise left to
+            :meth:`RoutingRecord.validate`).
     Returns:
         ids of ``schema.id_dtype`` [T, L_moe, top_k], a copy.
     Raises:
-        RecordError: wrong shape, or an id outside [0, num_experts), naming sample, token
-            position and decoder layer. NOTE: the range is checked before the cast to the
-            id dtype, which would wrap 258 -> 2 and a -1 sentinel -> 255.
+        RecordError: wrong shape; a dtype that cannot hold num_experts - 1 (the ids were
+            wrapped before); an id outside [0, num_experts) or repeated in its row, naming
+            sample, token position and decoder layer. NOTE: the range is checked before
+            the cast to the id dtype, which would wrap 258 -> 2 and a -1 sentinel -> 255.
+    Work: O(ids); memory: the output plus chunk temporaries (:data:`CHECK_CHUNK_IDS`).
     """
     want = schema.num_hidden_layers if full_layout else schema.num_moe_layers
     if not isinstance(arr, np.ndarray) or arr.ndim != 3 or arr.dtype.kind not in "iu" \
@@ -251,14 +325,12 @@ def checked_moe_ids(arr: np.ndarray, schema: RoutingSchema, sample_id: str, *, s
             f"sample {sample_id!r}: routing array has shape {getattr(arr, 'shape', None)} "
             f"{getattr(arr, 'dtype', type(arr))}, expected integer [T, {want} "
             f"({'num_hidden_layers' if full_layout else 'MoE layers'}), top_k={schema.top_k}]")
+    check_id_dtype(arr.dtype, schema, sample_id)
     layer_ids = list(schema.moe_layer_ids)
-    moe = arr[:, layer_ids] if full_layout else arr
-    bad = (moe < 0) | (moe >= schema.num_experts)
-    if bad.any():
-        t, l, k = (int(x) for x in np.argwhere(bad)[0])
-        v = int(moe[t, l, k])
-        hint = (" (a physical EPLB replica slot? routing must be recorded as logical expert "
-                "ids, before the EPLB mapping)") if v >= schema.num_experts else ""
-        raise RecordError(f"sample {sample_id!r}, token {start + t}, layer {layer_ids[l]}: "
-                          f"expert id {v} outside [0, {schema.num_experts}){hint}")
-    return np.ascontiguousarray(moe.astype(schema.id_dtype))
+    out = np.empty((arr.shape[0], schema.num_moe_layers, schema.top_k), schema.id_dtype)
+    for a, b in row_chunks(arr.shape[0], want * schema.top_k):
+        moe = arr[a:b, layer_ids] if full_layout else arr[a:b]
+        first_bad_row(moe, schema, sample_id, start=start + a, layer_ids=layer_ids,
+                      check_duplicates=check_duplicates)
+        out[a:b] = moe
+    return out
