@@ -224,6 +224,19 @@ def decode(data: bytes, shape: tuple[int, int, int], dtype: np.dtype, num_expert
             block[gi, ti] = prev[gi]
         gi, ti = np.nonzero(~fresh_mask & (src >= 0))
         block[gi, ti] = block[gi, src[gi, ti]]
+        # NOTE: an encoder flags every row equal to its predecessor (FORMAT.md), so a fresh
+        # row repeating it is corrupt. This also stops a decoder that ran out of data: with
+        # no words left and a small state, rANS keeps decoding symbol 0 forever (state
+        # unchanged), i.e. fresh rows of identical ranks, at full CPU cost per row.
+        before = np.concatenate([block[:, :1] if prev is None else prev[:, None],
+                                 block[:, :-1]], axis=1)
+        same = fresh_mask & (block == before).all(-1)
+        if s == 0:
+            same[:, 0] = False
+        if same.any():
+            g0, t0 = np.unravel_index(int(np.argmax(same)), same.shape)
+            raise SidecarError(f"ANS section: row {s + t0} of layer {g0} is coded fresh but "
+                               "repeats the previous row (corrupt, or decoding past its data)")
         prev = block[:, -1].copy()
         parts.append(block.astype(dtype))       # NOTE: narrow now: peak memory ~3x the output
         st.update(flags, layer, fresh, sym)
