@@ -6,6 +6,7 @@ destination pushes back on the producer instead of growing memory.
 from __future__ import annotations
 
 import io
+import json
 import os
 import queue
 import threading
@@ -16,8 +17,8 @@ from routereplay.errors import ConfigError, RecordError, SidecarError
 from routereplay.record import RoutingRecord
 from routereplay.schema import RoutingSchema
 from routereplay.sidecar.layout import (COLUMN_ORDERS, DEFAULT_LAYER_GROUP, KIND_INDEX,
-                                        KIND_RECORD, MAX_TOKENS, encode_frame, encode_header,
-                                        encode_index, encode_trailer)
+                                        KIND_RECORD, MAX_JSON_BYTES, MAX_TOKENS, encode_frame,
+                                        encode_header, encode_index, encode_trailer)
 from routereplay.sidecar.payload import encode_record_payload
 
 FSYNC_MODES = ("close", "frame", "never")
@@ -83,6 +84,10 @@ class SidecarWriter:
             raise ConfigError(f"fsync must be one of {FSYNC_MODES}, got {fsync!r}")
         if isinstance(layer_group, bool) or not isinstance(layer_group, int) or layer_group < 1:
             raise ConfigError(f"layer_group must be an integer >= 1, got {layer_group!r}")
+        header = encode_header(schema, codec, extra_header, layer_group, column_order)
+        if len(header) - 20 > MAX_JSON_BYTES:
+            raise ConfigError(f"extra_header makes a header JSON of {len(header) - 20} bytes, "
+                              f"above the reader's limit of {MAX_JSON_BYTES} bytes")
         self.schema, self.codec, self._fsync = schema, codec, fsync
         self.layer_group, self.column_order = layer_group, column_order
         self._own = True
@@ -105,7 +110,7 @@ class SidecarWriter:
         self._bytes_written = 0
         self._q: queue.Queue | None = None
         self._thread: threading.Thread | None = None
-        self._emit(encode_header(schema, codec, extra_header, layer_group, column_order))
+        self._emit(header)
         if background:
             self._q = queue.Queue(maxsize=max_queue)
             self._thread = threading.Thread(target=self._run, name="routereplay-sidecar-writer",
@@ -122,9 +127,18 @@ class SidecarWriter:
         """
         self._check_open()
         record.validate(self.schema)
-        if record.num_tokens > MAX_TOKENS:
-            raise RecordError(f"sample {record.sample_id!r}: {record.num_tokens} routing rows, "
-                              f"above the sidecar format's limit of {MAX_TOKENS}")
+        if record.start + record.num_tokens > MAX_TOKENS:
+            raise RecordError(f"sample {record.sample_id!r}: {record.num_tokens} routing rows from "
+                              f"position {record.start}, above the sidecar format's limit of "
+                              f"{MAX_TOKENS} token positions")
+        # NOTE: the meta's size is checked here, not on the writer thread, so that an
+        # oversized record fails its own write() and the stream stays usable.
+        sections = -(-self.schema.num_moe_layers // self.layer_group) + 2
+        meta_len = len(json.dumps(record.meta(), separators=(",", ":")).encode()) + 48 * sections
+        if meta_len > MAX_JSON_BYTES:
+            raise RecordError(f"sample {str(record.sample_id)[:80]!r}: record meta of about "
+                              f"{meta_len} bytes exceeds the reader's limit of {MAX_JSON_BYTES} "
+                              "bytes (sample id or span lists too long)")
         if record.sample_id in self._ids:
             raise RecordError(f"sample {record.sample_id!r} already written to this stream")
         self._ids.add(record.sample_id)
