@@ -339,3 +339,64 @@ def test_fifo_is_refused_without_blocking(tmp_path):
     finally:
         signal.alarm(0)
         signal.signal(signal.SIGALRM, old)
+
+
+# --- kind 11: the writer's durability contract, measured with a real SIGKILL ---------------
+
+_HANG_CHILD = r"""
+import sys, time
+from routereplay.schema import RoutingSchema
+from routereplay.sidecar import SidecarWriter
+from tests.conftest import random_record
+
+class HangOnSecondFrame:
+    # the second record frame never completes (a stuck disk); the parent then SIGKILLs us
+    def __init__(self, path):
+        self.f = open(path, "wb"); self.frames = 0
+    def write(self, b):
+        if b[:4] == b"RRFM":
+            self.frames += 1
+            if self.frames == 2:
+                print("HANG", flush=True); time.sleep(600)
+        self.f.write(b)
+    def flush(self):
+        self.f.flush()
+
+schema = RoutingSchema(4, (1, 2, 3), 4, 16)
+wait = sys.argv[2] == "wait"
+w = SidecarWriter(HangOnSecondFrame(sys.argv[1]), schema, max_queue=int(sys.argv[3]))
+for i in range(10):
+    w.write(random_record(schema, f"k{i}", 30, i), wait=wait)
+    print(f"RET k{i}", flush=True)
+time.sleep(600)
+"""
+
+
+@pytest.mark.parametrize("mode,max_queue", [("queue", 2), ("queue", 5), ("wait", 2)])
+def test_killed_writer_loses_at_most_the_documented_records(tmp_path, mode, max_queue):
+    import subprocess
+    import sys
+    script = tmp_path / "child.py"
+    script.write_text(_HANG_CHILD)
+    path = tmp_path / "k.rrsc"
+    env = {**os.environ, "PYTHONPATH": os.path.dirname(os.path.dirname(os.path.abspath(__file__)))}
+    proc = subprocess.Popen([sys.executable, str(script), str(path), mode, str(max_queue)],
+                            stdout=subprocess.PIPE, text=True, env=env)
+    try:
+        lines = []
+        while "HANG" not in lines:
+            lines.append(proc.stdout.readline().strip())
+        time.sleep(1.0)              # let the caller's thread run until write() blocks
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(timeout=30)
+        lines += proc.stdout.read().split()
+    finally:
+        proc.kill()
+    returned = [x for x in lines if x.startswith("k")]
+    recovered = SidecarReader(str(path)).sample_ids()
+    assert recovered == ["k0"]
+    lost = [x for x in returned if x not in recovered]
+    if mode == "wait":
+        assert lost == []                                   # every returned write survived
+    else:
+        assert 0 < len(lost) <= max_queue + 1, (returned, recovered)

@@ -68,11 +68,29 @@ class SidecarWriter:
             them) or "sorted" (canonical: each row in ascending expert id; declared in the
             header; ``ctx-ans-sorted`` codes it smaller by about log2(top_k!) bits a row).
 
-    Every frame is flushed to the OS as soon as it is written, so a killed writer loses at
-    most the frame in flight (a torn tail, which readers detect and skip).
+    Durability contract (what survives the writer's process being killed):
+
+    - :meth:`write` returning means the record was validated, its sample id reserved, and
+      (``background=True``) queued: it is not in the stream yet. A process killed then
+      loses the records still queued or being encoded: at most ``max_queue + 1`` records
+      whose :meth:`write` had returned (the default ``max_queue=64`` can lose 65).
+    - ``write(record, wait=True)`` (or ``background=False``) returns only once the record's
+      frame is written and flushed to the OS: a killed process no longer loses it.
+    - :meth:`flush` returning: every record whose :meth:`write` returned before is written
+      and flushed to the OS.
+    - :meth:`close`: flush, then the index frame and trailer, then fsync (local files,
+      ``fsync="close"`` or ``"frame"``). Only a closed stream is complete; a reader of an
+      unclosed one recovers every whole frame and reports the stream as not complete.
+    - Against power loss (not only a killed process) a frame is durable once fsynced:
+      ``fsync="frame"`` fsyncs each frame as it is written.
+
+    Bounded loss, for users who need it: ``max_queue=N`` bounds what a kill can lose to
+    N + 1 records whose write() returned; ``wait=True`` per record, or
+    ``background=False`` for all, to none. A frame being written when the process dies is
+    a torn tail, which readers detect and skip.
 
     Raises:
-        ConfigError: a bad codec, column order, fsync mode or layer group.
+        ConfigError: a bad codec, column order, fsync mode, layer group or max_queue.
     """
 
     def __init__(self, dest: str | os.PathLike | BinaryIO | None, schema: RoutingSchema, *,
@@ -84,6 +102,9 @@ class SidecarWriter:
             raise ConfigError(f"fsync must be one of {FSYNC_MODES}, got {fsync!r}")
         if isinstance(layer_group, bool) or not isinstance(layer_group, int) or layer_group < 1:
             raise ConfigError(f"layer_group must be an integer >= 1, got {layer_group!r}")
+        if isinstance(max_queue, bool) or not isinstance(max_queue, int) or max_queue < 1:
+            # NOTE: queue.Queue(0) would be unbounded: no back-pressure, unbounded loss
+            raise ConfigError(f"max_queue must be an integer >= 1, got {max_queue!r}")
         header = encode_header(schema, codec, extra_header, layer_group, column_order)
         if len(header) - 20 > MAX_JSON_BYTES:
             raise ConfigError(f"extra_header makes a header JSON of {len(header) - 20} bytes, "
@@ -118,12 +139,17 @@ class SidecarWriter:
             self._thread.start()
 
     # -- public
-    def write(self, record: RoutingRecord) -> None:
+    def write(self, record: RoutingRecord, *, wait: bool = False) -> None:
         """Validate ``record`` against the schema and append it.
 
+        Args:
+            wait: return only once the record's frame is written and flushed to the OS
+                (see the durability contract in the class doc); otherwise return once it is
+                queued (``background=True``).
         Raises:
             RecordError: invalid record or a sample id already in this stream (nothing written).
-            SidecarError: the background writer failed earlier.
+            SidecarError: the background writer failed (earlier, or with ``wait``, on this
+                record).
         """
         self._check_open()
         record.validate(self.schema)
@@ -144,8 +170,13 @@ class SidecarWriter:
         self._ids.add(record.sample_id)
         if self._q is None:
             self._write_now(record)
+        elif wait:
+            done = threading.Event()
+            self._q.put((record, done))
+            done.wait()
+            self._raise_bg()
         else:
-            self._q.put(record)
+            self._q.put((record, None))
 
     def flush(self) -> None:
         """Block until every queued record is written and flushed to the OS."""
@@ -235,15 +266,19 @@ class SidecarWriter:
     def _run(self) -> None:
         assert self._q is not None
         while True:
-            rec = self._q.get()
+            item = self._q.get()
+            done = None
             try:
-                if rec is None:
+                if item is None:
                     return
+                rec, done = item
                 if self._error is None:
                     self._write_now(rec)
             except BaseException as e:  # reported on the next write/flush/close
                 self._error = e
             finally:
+                if done is not None:
+                    done.set()
                 self._q.task_done()
 
 
