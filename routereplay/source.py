@@ -5,6 +5,8 @@ token positions". Implemented by:
 
 - :class:`routereplay.sidecar.SidecarReader`: decodes lazily from a sidecar stream, only
   the layer-group sections asked for, each section once per call;
+- :class:`routereplay.sidecar.MultiSidecarReader`: several streams (a folder, a glob, a
+  list) read as one, sample ids unique across them;
 - :class:`InMemorySource`: records already in memory (``{sample_id: RoutingRecord}``), e.g.
   routing an RL framework carries in its own data plane, or an R2 pass;
 - :class:`NoRouting`: no routing at all (every row takes the trainer's fallback).

@@ -400,3 +400,62 @@ def test_killed_writer_loses_at_most_the_documented_records(tmp_path, mode, max_
         assert lost == []                                   # every returned write survived
     else:
         assert 0 < len(lost) <= max_queue + 1, (returned, recovered)
+
+
+# --- issue 15 item 1: several streams read as one -----------------------------------------
+
+def test_multi_stream_source_folder_glob_list(tmp_path, schema):
+    from routereplay.sidecar import MultiSidecarReader, open_sidecar
+    from routereplay.source import RoutingSource, as_source
+    recs = [random_record(schema, f"s{i}", 12 + i, i) for i in range(6)]
+    for j in range(3):
+        write_records(str(tmp_path / f"v{j}.rrsc"), schema, recs[2 * j:2 * j + 2])
+    (tmp_path / "notes.txt").write_text("not a stream")
+    for spec in (str(tmp_path), str(tmp_path / "v*.rrsc"),
+                 [str(tmp_path / f"v{j}.rrsc") for j in range(3)]):
+        m = open_sidecar(spec)
+        assert isinstance(m, MultiSidecarReader) and isinstance(m, RoutingSource)
+        assert m.sample_ids() == [r.sample_id for r in recs] and m.complete and not m.errors
+        np.testing.assert_array_equal(m.read("s3", moe_layers=[1]).expert_ids,
+                                      recs[3].expert_ids[:, [1]])
+        ids, first = m.fetch("s5", [0, 2], [(3, 7)])[0]
+        np.testing.assert_array_equal(ids, recs[5].expert_ids[3:7][:, [0, 2]])
+        assert [r.sample_id for r in m.records()] == m.sample_ids()
+        assert as_source(m, schema) is m and m.stream_of("s4").endswith("v2.rrsc")
+        with pytest.raises(UnknownSampleError, match="none of the 3"):
+            m.read("nope")
+        m.close()
+    assert isinstance(open_sidecar(str(tmp_path / "v0.rrsc")), SidecarReader)
+
+
+def test_multi_stream_refuses_an_id_in_two_streams_naming_both(tmp_path, schema):
+    from routereplay.errors import SchemaError
+    from routereplay.sidecar import MultiSidecarReader
+    write_records(str(tmp_path / "a.rrsc"), schema, [random_record(schema, "x", 12, 1)])
+    write_records(str(tmp_path / "b.rrsc"), schema, [random_record(schema, "x", 14, 2)])
+    with pytest.raises(SidecarError, match=r"'x' is in two streams: .*a\.rrsc and .*b\.rrsc"):
+        MultiSidecarReader(str(tmp_path))
+    other = RoutingSchema(4, (1, 2, 3), 4, 32)
+    write_records(str(tmp_path / "b.rrsc"), other, [random_record(other, "y", 12, 2)])
+    with pytest.raises(SchemaError, match="b.rrsc"):
+        MultiSidecarReader(str(tmp_path))
+    with pytest.raises(RouteReplayError, match="no sidecar streams"):
+        MultiSidecarReader(str(tmp_path / "empty*.rrsc"))
+
+
+def test_multi_stream_picks_up_rotated_and_live_streams(tmp_path, schema):
+    from routereplay.sidecar import MultiSidecarReader
+    write_records(str(tmp_path / "v0.rrsc"), schema, [random_record(schema, "a", 12, 1)])
+    live = SidecarWriter(str(tmp_path / "v1.rrsc"), schema)
+    m = MultiSidecarReader(str(tmp_path))
+    assert m.pending == [str(tmp_path / "v1.rrsc")] and not m.complete
+    live.write(random_record(schema, "b", 12, 2))
+    live.flush()
+    assert m.read("b").sample_id == "b" and m.pending == []      # opened once it has bytes
+    live.write(random_record(schema, "c", 12, 3))
+    live.close()
+    assert m.read("c").sample_id == "c" and m.complete
+    write_records(str(tmp_path / "v2.rrsc"), schema, [random_record(schema, "d", 12, 4),
+                                                      random_record(schema, "a", 12, 5)])
+    with pytest.raises(SidecarError, match="'a' is in two streams"):
+        m.read("d")                                              # v2 holds 'a' again
