@@ -156,14 +156,17 @@ class RoutingRecord:
             if lp.ndim != 1 or lp.dtype.kind != "f":
                 raise RecordError(f"sample {sid!r}: logprobs must be a 1-D float array, got "
                                   f"{lp.dtype} {lp.shape}")
+        def is_int(x: Any) -> bool:
+            return isinstance(x, (int, np.integer)) and not isinstance(x, bool)
         for span in self.weight_versions:
-            if not (isinstance(span.version, str) and 0 <= span.start <= span.end):
-                raise RecordError(f"sample {sid!r}: bad weight-version span {span}")
+            if not (isinstance(span, WeightVersionSpan) and isinstance(span.version, str)
+                    and is_int(span.start) and is_int(span.end) and 0 <= span.start <= span.end):
+                raise RecordError(f"sample {sid!r}: bad weight-version span {span!r} (expected "
+                                  "WeightVersionSpan(version: str, start <= end: int))")
         for name in ("recomputed", "prefix_cached"):
             for span in getattr(self, name):
-                if not (len(span) == 2 and all(isinstance(x, (int, np.integer))
-                                               and not isinstance(x, bool) for x in span)
-                        and 0 <= span[0] <= span[1]):
+                if not (isinstance(span, (tuple, list)) and len(span) == 2
+                        and all(is_int(x) for x in span) and 0 <= span[0] <= span[1]):
                     raise RecordError(f"sample {sid!r}: bad {name} span {span!r}")
 
     def validate_ids(self, schema: RoutingSchema, layer_ids: Sequence[int] | None = None) -> None:

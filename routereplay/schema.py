@@ -47,7 +47,16 @@ class RoutingSchema:
     score_function: str = "softmax"
 
     def __post_init__(self):
-        object.__setattr__(self, "moe_layer_ids", tuple(int(i) for i in self.moe_layer_ids))
+        for name in ("num_hidden_layers", "top_k", "num_experts"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, np.integer)):
+                raise SchemaError(f"{name} must be an integer, got {v!r}")
+            object.__setattr__(self, name, int(v))
+        ids = self.moe_layer_ids
+        if isinstance(ids, (str, bytes)) or not hasattr(ids, "__iter__") or any(
+                isinstance(i, bool) or not isinstance(i, (int, np.integer)) for i in ids):
+            raise SchemaError(f"moe_layer_ids must be a sequence of integers, got {ids!r}")
+        object.__setattr__(self, "moe_layer_ids", tuple(int(i) for i in ids))
         if not self.moe_layer_ids:
             raise SchemaError("model has no MoE layers: routing replay needs at least one MoE layer")
         if list(self.moe_layer_ids) != sorted(set(self.moe_layer_ids)):
@@ -61,7 +70,7 @@ class RoutingSchema:
                               f"num_experts={self.num_experts}")
         if self.num_experts > 65536:
             raise SchemaError(f"num_experts={self.num_experts} exceeds the uint16 id range")
-        if self.score_function not in SCORE_FUNCTIONS:
+        if not isinstance(self.score_function, str) or self.score_function not in SCORE_FUNCTIONS:
             raise SchemaError(f"score_function must be one of {SCORE_FUNCTIONS}, "
                               f"got {self.score_function!r}")
 
@@ -101,8 +110,10 @@ class RoutingSchema:
         """Build from :meth:`to_dict` output.
 
         Raises:
-            SchemaError: a key is missing or has the wrong type.
+            SchemaError: not a mapping, a key is missing or has the wrong type.
         """
+        if not isinstance(d, Mapping):
+            raise SchemaError(f"a routing schema must be a JSON object, got {type(d).__name__}")
         try:
             schema = cls(
                 num_hidden_layers=_as_int(d["num_hidden_layers"], "num_hidden_layers"),
@@ -160,6 +171,8 @@ class RoutingSchema:
     def check_same(self, other: "RoutingSchema", what: str = "sidecar") -> None:
         """Raise SchemaError naming each field where ``other`` (e.g. a sidecar's schema)
         differs from this one (e.g. the model's)."""
+        if not isinstance(other, RoutingSchema):
+            raise SchemaError(f"{what} has no routing schema (got {type(other).__name__})")
         diffs = [f"{f.name}: model {getattr(self, f.name)!r} vs {what} {getattr(other, f.name)!r}"
                  for f in dataclasses.fields(self)
                  if getattr(self, f.name) != getattr(other, f.name)]
@@ -177,6 +190,8 @@ class RoutingSchema:
         Raises:
             SchemaError: the layer or top_k axis does not match the schema.
         """
+        if not isinstance(full, np.ndarray):
+            raise SchemaError(f"engine routing must be a numpy array, got {type(full).__name__}")
         if full.ndim != 3 or full.shape[1] != self.num_hidden_layers or full.shape[2] != self.top_k:
             raise SchemaError(
                 f"engine routing has shape {tuple(full.shape)}, expected "
@@ -424,8 +439,10 @@ def schema_layers_for(schema: RoutingSchema, layer_ids: Sequence[int]) -> list[i
         SchemaError: a layer id is not an MoE layer of the schema.
     """
     pos = {lid: i for i, lid in enumerate(schema.moe_layer_ids)}
-    try:
-        return [pos[int(i)] for i in layer_ids]
-    except KeyError as e:
-        raise SchemaError(f"decoder layer {e.args[0]} is not an MoE layer "
-                          f"(moe_layer_ids={schema.moe_layer_ids})") from None
+    out = []
+    for i in layer_ids:
+        if isinstance(i, bool) or not isinstance(i, (int, np.integer)) or int(i) not in pos:
+            raise SchemaError(f"decoder layer {i!r} is not an MoE layer "
+                              f"(moe_layer_ids={schema.moe_layer_ids})")
+        out.append(pos[int(i)])
+    return out

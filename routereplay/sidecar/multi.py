@@ -54,7 +54,10 @@ class MultiSidecarReader:
         if isinstance(sources, (str, os.PathLike, bytes, bytearray, memoryview)) \
                 or hasattr(sources, "read"):
             sources = [sources]                                       # type: ignore[list-item]
-        self._specs = list(sources)                                   # type: ignore[arg-type]
+        if not isinstance(sources, (list, tuple)):
+            raise ConfigError(f"sidecar streams are a path, folder, glob, bytes, file object or "
+                              f"a list of them, not {type(sources).__name__}")
+        self._specs = list(sources)
         self.readers: list[SidecarReader] = []
         self.pending: list[str] = []
         self._opened: set[str] = set()
@@ -85,6 +88,9 @@ class MultiSidecarReader:
                 if _is_glob(path):
                     out += sorted(_glob.glob(path))
                     continue
+            elif not isinstance(spec, (bytes, bytearray, memoryview)) \
+                    and not hasattr(spec, "read"):
+                raise ConfigError(f"not a sidecar stream: {type(spec).__name__}")
             out.append(spec)
         return out
 
@@ -246,7 +252,7 @@ def open_sidecar(spec: Stream | Sequence[Stream]) -> SidecarReader | MultiSideca
     if isinstance(spec, (str, os.PathLike)) and "://" not in os.fspath(spec) and (
             os.path.isdir(spec) or _is_glob(os.fspath(spec))):
         return MultiSidecarReader(spec)
-    return SidecarReader(spec)
+    return SidecarReader(spec)                                        # type: ignore[arg-type]
 
 
 __all__ = ["MultiSidecarReader", "open_sidecar", "STREAM_SUFFIX"]

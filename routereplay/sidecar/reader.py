@@ -25,7 +25,7 @@ from routereplay.sidecar.layout import (FRAME_HEADER_SIZE, FRAME_MAGIC, HEADER_F
                                         parse_frame_header, parse_trailer)
 from routereplay.sidecar.payload import (RecordMeta, decode_array,
                                          decode_record_payload, peek_sample_id)
-from routereplay.source import Rows
+from routereplay.source import Rows, check_fetch_args
 
 _RESYNC_CHUNK = 1 << 20
 MAX_REPORTED = 1000            # error messages (and corrupt-frame entries) kept; the rest counted
@@ -142,10 +142,13 @@ class SidecarReader:
             import fsspec
             self.name = os.fspath(source)
             self._f = fsspec.open(self.name, "rb").open()
-        else:
+        elif all(hasattr(source, m) for m in ("read", "seek", "tell")):
             self.name = getattr(source, "name", None) or "<stream>"
             self.name = self.name if isinstance(self.name, str) else "<stream>"
             self._f, self._own = source, False
+        else:
+            raise ConfigError(f"a sidecar source is a path, an fsspec URL, bytes or a seekable "
+                              f"binary file object, not {type(source).__name__}")
         self.size = self._current_size()
         self._errors: list[str] = []
         self._num_errors = 0
@@ -506,11 +509,14 @@ class SidecarReader:
         if layers is not None:
             moe_layers = layers
         want = self._moe_layers(moe_layers)
+        if tokens is not None:
+            check_fetch_args([], [tokens], 0)
         meta, sections, off = self._record_sections(sample_id, want, arrays)
         r0, r1 = 0, meta.num_tokens
         if tokens is not None:
-            r0 = min(max(int(tokens[0]) - meta.start, 0), meta.num_tokens)
-            r1 = min(max(int(tokens[1]) - meta.start, r0), meta.num_tokens)
+            lo, hi = check_fetch_args([], [tokens], 0)[1][0]
+            r0 = min(max(lo - meta.start, 0), meta.num_tokens)
+            r1 = min(max(hi - meta.start, r0), meta.num_tokens)
         out = self._assemble(meta, sections, want, [(r0, r1)], off)[0]
         return RoutingRecord(
             sample_id=meta.sample_id, expert_ids=out, start=meta.start + r0,
@@ -523,11 +529,11 @@ class SidecarReader:
               runs: Sequence[tuple[int, int]]) -> list[Rows]:
         """:meth:`routereplay.source.RoutingSource.fetch`: every run from one read of the
         frame, each needed layer-group section decompressed once."""
-        want = self._moe_layers(moe_layers)
+        want, runs = check_fetch_args(moe_layers, runs, self.schema.num_moe_layers)
         meta, sections, off = self._record_sections(sample_id, want, arrays=False)
         rows = []
         for lo, hi in runs:
-            a = min(max(int(lo) - meta.start, 0), meta.num_tokens)
+            a = min(max(lo - meta.start, 0), meta.num_tokens)
             rows.append((a, min(max(int(hi) - meta.start, a), meta.num_tokens)))
         return [(ids, meta.start + a) for ids, (a, _) in
                 zip(self._assemble(meta, sections, want, rows, off), rows)]
@@ -559,13 +565,9 @@ class SidecarReader:
     # -- decoding
     def _moe_layers(self, moe_layers: Sequence[int] | None) -> list[int]:
         n = self.schema.num_moe_layers
-        want = list(range(n)) if moe_layers is None else [int(x) for x in moe_layers]
-        for lyr in want:
-            if not 0 <= lyr < n:
-                raise ConfigError(f"MoE layer position {lyr} out of range [0, {n})")
-        if len(set(want)) != len(want):
-            raise ConfigError(f"moe_layers {want} repeat a MoE layer position")
-        return want
+        if moe_layers is None:
+            return list(range(n))
+        return check_fetch_args(moe_layers, [], n)[0]
 
     def _record_sections(self, sample_id: str, want: list[int], arrays: bool
                          ) -> tuple[RecordMeta, dict[Any, Any], int]:

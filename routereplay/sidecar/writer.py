@@ -97,6 +97,12 @@ class SidecarWriter:
                  codec: str | None = None, background: bool = True, max_queue: int = 64,
                  fsync: str = "close", extra_header: dict[str, Any] | None = None,
                  layer_group: int = DEFAULT_LAYER_GROUP, column_order: str = "engine"):
+        if not isinstance(schema, RoutingSchema):
+            raise ConfigError(f"schema must be a RoutingSchema, got {type(schema).__name__}")
+        if dest is not None and not isinstance(dest, (str, os.PathLike)) \
+                and not hasattr(dest, "write"):
+            raise ConfigError(f"a sidecar destination is a path, an fsspec URL, a writable "
+                              f"binary file object or None, not {type(dest).__name__}")
         codec = writer_codec(codec, column_order)
         if fsync not in FSYNC_MODES:
             raise ConfigError(f"fsync must be one of {FSYNC_MODES}, got {fsync!r}")
@@ -105,7 +111,10 @@ class SidecarWriter:
         if isinstance(max_queue, bool) or not isinstance(max_queue, int) or max_queue < 1:
             # NOTE: queue.Queue(0) would be unbounded: no back-pressure, unbounded loss
             raise ConfigError(f"max_queue must be an integer >= 1, got {max_queue!r}")
-        header = encode_header(schema, codec, extra_header, layer_group, column_order)
+        try:
+            header = encode_header(schema, codec, extra_header, layer_group, column_order)
+        except (TypeError, ValueError) as e:
+            raise ConfigError(f"extra_header is not JSON-serialisable: {e}") from None
         if len(header) - 20 > MAX_JSON_BYTES:
             raise ConfigError(f"extra_header makes a header JSON of {len(header) - 20} bytes, "
                               f"above the reader's limit of {MAX_JSON_BYTES} bytes")
@@ -152,6 +161,8 @@ class SidecarWriter:
                 record).
         """
         self._check_open()
+        if not isinstance(record, RoutingRecord):
+            raise RecordError(f"expected a RoutingRecord, got {type(record).__name__}")
         record.validate(self.schema)
         if record.start + record.num_tokens > MAX_TOKENS:
             raise RecordError(f"sample {record.sample_id!r}: {record.num_tokens} routing rows from "
