@@ -626,11 +626,23 @@ class SidecarReader:
         schema = self.schema
         out = [np.empty((r1 - r0, len(want), schema.top_k), dtype=schema.id_dtype)
                for r0, r1 in rows]
+        owner = {lyr: key for key in sections if isinstance(key, tuple) for lyr in range(*key)}
+        groups: dict[tuple[int, int], tuple[list[int], list[int]]] = {}
         for i, lyr in enumerate(want):
-            (l0, _), ids = next((key, v) for key, v in sections.items()
-                                if isinstance(key, tuple) and key[0] <= lyr < key[1])
+            key = owner[lyr]
+            pos, offs = groups.setdefault(key, ([], []))
+            pos.append(i)
+            offs.append(lyr - key[0])
+        for key, (pos, offs) in groups.items():
+            ids = sections[key]
+            # NOTE: one copy per section (a slice when its layers are wanted in order)
+            run = pos == list(range(pos[0], pos[0] + len(pos))) \
+                and offs == list(range(offs[0], offs[0] + len(offs)))
             for o, (r0, r1) in zip(out, rows):
-                o[:, i] = ids[r0:r1, lyr - l0]
+                if run:
+                    o[:, pos[0]:pos[0] + len(pos)] = ids[r0:r1, offs[0]:offs[0] + len(offs)]
+                else:
+                    o[:, pos] = ids[r0:r1][:, offs]
         # NOTE: the reader is the boundary that checks stored ids (range, distinct in a
         # row); consumers (alignment, replay) do not check them again.
         layer_ids = [schema.moe_layer_ids[i] for i in want]
