@@ -39,6 +39,22 @@ EXPANSION_SLACK = 64 << 10             # bytes a section may always decode to
 FALLBACK = ("ctx-zstd", "raw-lm")      # routing codecs a writer falls back to, in order
 
 
+def largest_record_bytes(schema: RoutingSchema, stream_bytes: int) -> int:
+    """Decoded bytes (ids, token ids, log-probs) of the largest record that the reader
+    limits let a stream of ``stream_bytes`` bytes hold: the bound that a reader's work and
+    memory on any input are measured against (docs/FORMAT.md "Reader limits").
+
+    min(format limit, expansion limit): the format allows ``MAX_TOKENS`` rows of
+    ``L_moe x top_k`` ids plus ``MAX_TOKENS + 1`` token ids and log-probs; the expansion
+    limit allows ``max(EXPANSION) x`` the stored bytes plus ``EXPANSION_SLACK`` for each of
+    the at most ``L_moe + 2`` sections.
+    """
+    fmt = MAX_TOKENS * schema.num_moe_layers * schema.top_k * schema.id_dtype.itemsize \
+        + 8 * (MAX_TOKENS + 1)
+    exp = max(EXPANSION.values()) * stream_bytes + (schema.num_moe_layers + 2) * EXPANSION_SLACK
+    return min(fmt, exp)
+
+
 def section_fits(codec: str, decoded: int, stored: int) -> bool:
     """Whether a section of ``stored`` bytes declaring ``decoded`` bytes is within the
     reader's expansion limit (:data:`EXPANSION`); True for codecs without a limit here
