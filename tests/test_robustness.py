@@ -459,3 +459,18 @@ def test_multi_stream_picks_up_rotated_and_live_streams(tmp_path, schema):
                                                       random_record(schema, "a", 12, 5)])
     with pytest.raises(SidecarError, match="'a' is in two streams"):
         m.read("d")                                              # v2 holds 'a' again
+
+
+def test_check_refuses_what_sample_ids_leaves_out(schema):
+    recs = [random_record(schema, f"r{i}", 10 + i, i) for i in range(3)]
+    data = bytearray(write_records(None, schema, recs).getvalue())
+    fr = _frames(bytes(data))
+    data[fr[1][1] + fr[1][2] - 3] ^= 0xFF
+    r = SidecarReader(bytes(data[:-16]))
+    assert r.sample_ids() == ["r0", "r2"]                  # readable ones, for recovery
+    with pytest.raises(SidecarError, match="'r1'"):
+        r.check()
+    torn = SidecarReader(bytes(write_records(None, schema, recs).getvalue()[:fr[2][1] + 30]))
+    torn.check()                                           # a torn tail alone is fine
+    with pytest.raises(SidecarError, match="torn tail"):
+        torn.check(torn_ok=False)

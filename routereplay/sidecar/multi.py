@@ -209,6 +209,15 @@ class MultiSidecarReader:
         :meth:`SidecarReader.scan`)."""
         return [(r, fi) for r in self.readers for fi in r.scan()]
 
+    def check(self, *, torn_ok: bool = True) -> None:
+        """:meth:`SidecarReader.check` on every stream; an empty stream still pending is a
+        problem unless ``torn_ok``."""
+        for r in self.readers:
+            r.check(torn_ok=torn_ok)
+        if self.pending and not torn_ok:
+            raise SidecarError(f"{self.pending[0]}: empty stream (its writer has not written "
+                               "its header yet)")
+
     @property
     def errors(self) -> list[str]:
         """Every stream's errors, each prefixed with the stream's name."""

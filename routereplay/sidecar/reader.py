@@ -408,6 +408,25 @@ class SidecarReader:
             pos += len(chunk) - FRAME_HEADER_SIZE + 1
         return None
 
+    def check(self, *, torn_ok: bool = True) -> None:
+        """Raise unless every frame scanned so far is readable: for a consumer that lists
+        :meth:`sample_ids` (readable records only) and must not skip a corrupt one.
+
+        Args:
+            torn_ok: a torn tail (a killed writer, or a frame being written) is not a
+                problem: every whole frame before it is read.
+        Raises:
+            SidecarError: the first corrupt frame, duplicate id, or index entry without its
+                frame (and the torn tail unless ``torn_ok``), naming the stream.
+        """
+        self.scan()
+        problems = list(self._errors) + ([] if torn_ok or not self._torn_msg
+                                         else [self._torn_msg])
+        if problems:
+            more = self._num_errors - 1 + (0 if torn_ok or not self._torn_msg else 1)
+            raise SidecarError(f"{self.name}: {problems[0]}"
+                               + (f" (and {more} more problems)" if more > 0 else ""))
+
     # -- live streams
     def refresh(self) -> bool:
         """Pick up what a writer appended since the last scan (a live stream), scanning only
