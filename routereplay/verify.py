@@ -145,7 +145,7 @@ def plot(summary: Mapping[str, Any], path: str, *, sidecar: str = "", model: str
         else:
             a.plot([], [], color=colors[c], label=lab + " (all 0)")
     a.axvline(np.log(2.0), color="0.3", ls="--", lw=1)
-    a.text(np.log(2.0), 0.5, " ln 2", color="0.3", va="center", transform=a.get_xaxis_transform())
+    a.text(np.log(2.0), 0.98, " ln 2", color="0.3", va="top", transform=a.get_xaxis_transform())
     a.set_xscale("log")
     a.set_yscale("log")
     a.set_xlim(left=lo / 2, right=max(1.5, float(xs_all.max()) * 2 if xs_all.size else 1.5))
