@@ -149,6 +149,11 @@ def plot(summary: Mapping[str, Any], path: str, *, sidecar: str = "", model: str
     a.set_xscale("log")
     a.set_yscale("log")
     a.set_xlim(left=lo / 2, right=max(1.5, float(xs_all.max()) * 2 if xs_all.size else 1.5))
+    nmax = max((np.asarray(summary["deltas"][c]).size for c in conds), default=1)
+    a.set_ylim(0.5 / max(nmax, 1), 1.5)          # NOTE: set, so that no data still draws
+    if not pos.size:
+        a.text(0.5, 0.5, "every |delta logp| is exactly 0", ha="center",
+               transform=a.transAxes, color="0.3")
     a.set_xlabel("|delta logp| = |trainer - engine| (nats), response tokens")
     a.set_ylabel("share of tokens with |delta| >= x")
     a.set_title("CCDF of |delta logp|")
@@ -220,8 +225,9 @@ def plot(summary: Mapping[str, Any], path: str, *, sidecar: str = "", model: str
     cond0 = conds[0] if conds else None
     tokens = summary[cond0]["num_tokens"] if cond0 else 0
     rows = summary[cond0]["num_rows"] if cond0 else 0
-    fig.suptitle(f"routereplay verify: sidecar {os.path.basename(str(sidecar)) or '?'}, model "
-                 f"{os.path.basename(os.path.normpath(str(model))) or '?'}"
+    sc_name = os.path.basename(str(sidecar)) if sidecar else "?"
+    model_name = os.path.basename(os.path.normpath(str(model))) if model else "?"
+    fig.suptitle(f"routereplay verify: sidecar {sc_name}, model {model_name}"
                  + (f" ({trainer} trainer)" if trainer else "")
                  + f"; {summary['num_samples']} samples, {tokens} response tokens, "
                  f"{rows} routing rows", fontsize=11)

@@ -51,3 +51,39 @@ def test_plot_shows_ccdf_layers_and_split(tmp_path, monkeypatch):
     title = fig._suptitle.get_text()
     assert "rollout-step7.rrsc" in title and "qwen3-tiny" in title and "6 samples" in title
     assert "120 response tokens" in title
+
+
+def test_verify_cli_plot_end_to_end_and_no_progress_is_silent(tiny_model, tmp_path):
+    """`routereplay verify --plot --no-progress` on records from the HF reference: a PNG,
+    the JSON's prompt/response split, and not one progress bar on stderr (transformers'
+    "Loading weights" included)."""
+    import json
+
+    from routereplay.sidecar import write_records
+    from tests.conftest import run_py
+    from tests.hf_reference import hf_records
+    rng = np.random.default_rng(0)
+    schema, recs = hf_records(tiny_model, [rng.integers(3, 500, n).tolist() for n in (30, 26)],
+                              prompt_len=12)
+    sc = tmp_path / "rollout.rrsc"
+    write_records(str(sc), schema, recs)
+    p = run_py(["-m", "routereplay", "verify", str(sc), "--model", tiny_model, "--plot",
+                str(tmp_path / "v.png"), "--json", str(tmp_path / "v.json"), "--no-progress"],
+               timeout=300)
+    assert p.returncode == 0, p.stderr[-2000:]
+    assert p.stderr == "", p.stderr[-2000:]
+    assert (tmp_path / "v.png").stat().st_size > 10_000
+    out = json.loads((tmp_path / "v.json").read_text())
+    assert out["replay"]["routing_agreement_prompt"] == 1.0
+    assert out["replay"]["routing_agreement_response"] == 1.0
+
+
+def test_plot_when_both_conditions_are_exact(tmp_path):
+    s = _summary()
+    for c in verify.CONDITIONS:
+        s[c]["per_layer"] = [1.0] * 3
+        for k in ("routing_agreement", "routing_agreement_prompt", "routing_agreement_response"):
+            s[c][k] = 1.0
+        s["deltas"][c] = np.zeros_like(s["deltas"][c])
+    verify.plot(s, str(tmp_path / "exact.png"))                 # log axes without data
+    assert (tmp_path / "exact.png").stat().st_size > 10_000
