@@ -283,3 +283,16 @@ def test_inspect_reports_incomplete_and_index_disagreement(tmp_path, schema):
     (tmp_path / "cut.rrsc").write_bytes(data[:cut])                # cut at a frame boundary
     p = _cli(["inspect", str(tmp_path / "cut.rrsc")])
     assert p.returncode == 1 and "not complete" in p.stdout and "recovered 2 records" in p.stdout
+
+
+def test_export_of_a_corrupt_listed_sample_names_stream_and_sample(tmp_path, schema):
+    from routereplay.sidecar import SidecarReader
+    sc = tmp_path / "s.rrsc"
+    write_records(str(sc), schema, [random_record(schema, f"r{i}", 12, i) for i in range(3)])
+    data = bytearray(sc.read_bytes())
+    fi = SidecarReader(bytes(data)).scan()[1]
+    data[fi.offset + 24 + fi.payload_len - 2] ^= 0xFF
+    sc.write_bytes(bytes(data))
+    p = _cli(["export", str(sc), "--sample", "r1", "--out", str(tmp_path / "x.npy")])
+    assert p.returncode == 1 and "is not in" not in p.stderr
+    assert "s.rrsc" in p.stderr and "'r1'" in p.stderr and "offset" in p.stderr

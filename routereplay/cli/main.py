@@ -285,6 +285,9 @@ def _cmd_export(a: argparse.Namespace) -> int:
         except UnknownSampleError:
             raise RouteReplayError(f"sample {a.sample!r} is not in "
                                    f"{', '.join(a.sidecar)}") from None
+        except RouteReplayError as e:           # a corrupt record: name its stream
+            where = r.stream_of(a.sample) if hasattr(r, "stream_of") else r.name
+            raise RouteReplayError(str(e) if where in str(e) else f"{where}: {e}") from None
         ids = rec.expert_ids
         if a.full_layers:                       # vLLM layout: dense layers zero-filled
             full = np.zeros((ids.shape[0], r.schema.num_hidden_layers, ids.shape[2]), ids.dtype)
