@@ -172,52 +172,83 @@ _FUZZ_BASE: dict = {}
 def test_layer_groups_decode_only_requested(schema, monkeypatch):
     from routereplay import codec
     rec = random_record(schema, "g", 20, 3)
-    data = write_records(None, schema, [rec], layer_group=1).getvalue()
     calls = []
     real = codec.decode
     monkeypatch.setattr(codec, "decode", lambda *a, **k: calls.append(a[2]) or real(*a, **k))
-    part = SidecarReader(data).read("g", layers=[1])
-    np.testing.assert_array_equal(part.expert_ids, rec.expert_ids[:, [1]])
-    assert calls == [(19, 1, 4)]            # one of three layer sections decoded
+    # a grid of 8-row x 1-layer sections (one_section_bytes=0: even this short record)
+    data = write_records(None, schema, [rec], layer_group=1, token_block=8,
+                         one_section_bytes=0).getvalue()
+    part = SidecarReader(data).read("g", layers=[1], tokens=(10, 14), arrays=False)
+    np.testing.assert_array_equal(part.expert_ids, rec.expert_ids[10:14, [1]])
+    assert calls == [(8, 1, 4)]             # one of 3 x 3 sections decoded
+    calls.clear()
+    v2 = write_records(None, schema, [rec], layer_group=1, format_version=2).getvalue()
+    np.testing.assert_array_equal(SidecarReader(v2).read("g", layers=[1]).expert_ids,
+                                  rec.expert_ids[:, [1]])
+    assert calls == [(19, 1, 4)]            # version 2: one of three layer sections
+    calls.clear()
+    small = write_records(None, schema, [rec]).getvalue()     # 228 bytes of ids: one section
+    np.testing.assert_array_equal(SidecarReader(small).read("g", layers=[1]).expert_ids,
+                                  rec.expert_ids[:, [1]])
+    assert calls == [(19, 3, 4)]
 
 
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(data=st.data())
 def test_fuzz_payload_with_valid_checksums(data):
-    """Mutate a record payload and re-frame it with valid CRCs: the metadata and codec
-    paths must still only raise our errors (and never allocate by forged sizes)."""
+    """Mutate a record payload and re-frame it with valid CRCs (version 3: the head's in the
+    frame, every section's own): the metadata, table and codec paths must still only raise
+    our errors (and never allocate by forged sizes)."""
     from routereplay.schema import RoutingSchema
+    from routereplay.sidecar.layout import read_varint
+    from routereplay.testing import crafted
     schema = RoutingSchema(4, (1, 2, 3), 4, 16)
     rec = _FUZZ_BASE.setdefault("rec", random_record(schema, "f", 30, 1))
-    payload = bytearray(sc.encode_record_payload(rec, schema))
-    mlen = struct.unpack("<I", payload[:4])[0]
+    version = data.draw(st.sampled_from([2, 3]))
+    grid = dict(token_block=8, one_section_bytes=0) if data.draw(st.booleans()) else {}
+    payload = bytearray(sc.encode_record_payload(rec, schema, version=version,
+                                                 codecs=crafted.CODECS_V3,
+                                                 **(grid if version == 3 else {})))
+    if version == 2:
+        mlen = struct.unpack("<I", payload[:4])[0] + 4
+    else:
+        m, pos = read_varint(payload, 0)
+        mlen = pos + m
     for _ in range(data.draw(st.integers(1, 6))):
-        # bias mutations towards the JSON meta, where digits change sizes and offsets
-        hi = mlen + 4 if data.draw(st.booleans()) else len(payload)
+        # bias mutations towards the meta, where digits change sizes and offsets
+        hi = mlen if data.draw(st.booleans()) else len(payload)
         i = data.draw(st.integers(0, hi - 1))
-        payload[i] = data.draw(st.sampled_from(list(b'0123456789[]{}",:-e9')) | st.integers(0, 255))
-    blob = sc.encode_header(schema) + sc.encode_frame(sc.KIND_RECORD, bytes(payload))
+        payload[i] = data.draw(st.sampled_from(list(b'0123456789[]{}",:-e9\x00\x7f\x80\xff'))
+                               | st.integers(0, 255))
+    if version == 3:
+        payload = crafted.reseal(bytes(payload), schema)
+    blob = sc.encode_header(schema, version=version, codecs=crafted.CODECS_V3) + sc.encode_frame(
+        sc.KIND_RECORD, payload)
     try:
         r = SidecarReader(blob)
         list(r.records(strict=False))
         for sid in r.sample_ids():
             r.read(sid)
+            r.fetch(sid, [2], [(3, 20)])
     except (RouteReplayError, KeyError):
         pass
 
 
-def test_forged_index_never_returns_another_sample(schema):
+@pytest.mark.parametrize("version", [2, 3])
+def test_forged_index_never_returns_another_sample(schema, version):
     recs = _records(schema, 2)
-    data = write_records(None, schema, recs).getvalue()
-    offs = [f.offset for f in SidecarReader(data).scan()]
-    idx = ('{"records":[["r0",%d],["r1",%d]]}' % (offs[1], offs[0])).encode()
-    index_off = len(data) - 16 - sc.FRAME_HEADER_SIZE - len(
-        b'{"records":[["r0",%d],["r1",%d]]}' % (offs[0], offs[1]))
+    data = write_records(None, schema, recs, format_version=version).getvalue()
+    r = SidecarReader(data)
+    offs = [f.offset for f in r.scan()]
+    index_off = struct.unpack("<Q", data[-16:-8])[0]
+    # the index names each sample at the other's frame
+    idx = sc.layout.encode_index([("r1", offs[0]), ("r0", offs[1])], version)
     forged = data[:index_off] + sc.encode_frame(sc.KIND_INDEX, idx) + struct.pack(
         "<Q8s", index_off, sc.TRAILER_MAGIC)
     r = SidecarReader(forged)
     _assert_same(recs[0], r.read("r0"))
     _assert_same(recs[1], r.read("r1"))
+    assert any("listed in the index" in e for e in r.errors)
 
 
 def test_deeply_nested_json_is_our_error(schema):
@@ -312,11 +343,16 @@ def test_sorted_column_order_stream(schema):
 
 def test_compact_meta_is_small(schema):
     rec = random_record(schema, "m", 30, 1)
-    payload = sc.encode_record_payload(rec, schema)
+    payload = sc.encode_record_payload(rec, schema, version=2)
     mlen = struct.unpack("<I", payload[:4])[0]
     meta = payload[4:4 + mlen]
     assert b'"start"' not in meta and b'"recomputed"' not in meta and b'"offset"' not in meta
     assert mlen < 200, meta
+    # version 3: binary meta: flags, id, T, prompt_len, counts, one version span, engine
+    v3 = sc.encode_record_payload(rec, schema)
+    # M, flags, len + 'm', T, prompt_len, N, G, span count + len + 'v0' + start + length,
+    # len + 'test'
+    assert v3.head_len == 1 + 1 + 2 + 1 + 1 + 1 + 1 + (1 + 3 + 1 + 1) + 5, v3[:v3.head_len]
 
 
 def test_writer_refuses_what_readers_reject_and_indexes_after_a_failure(schema):
