@@ -395,3 +395,159 @@ def test_spliced_stream_with_duplicate_ids_keeps_the_first(schema):
     r = SidecarReader(data)
     assert r.sample_ids() == ["x"] and "duplicate sample id 'x'" in r.errors[0]
     assert r.read("x").num_tokens == 9
+
+
+# --- format version 3: ranged reads, per-section checks, per-record overhead ----------------
+
+
+class CountingFile(io.BytesIO):
+    """A seekable file that counts read requests and bytes (one request per read call)."""
+
+    def __init__(self, data):
+        super().__init__(data)
+        self.requests = self.bytes = 0
+
+    def read(self, n=-1):
+        b = super().read(n)
+        self.requests += 1
+        self.bytes += len(b)
+        return b
+
+
+def _grid_stream(schema8, n=3, t=3000, **kw):
+    from routereplay.record import RoutingRecord
+    rng = np.random.default_rng(4)
+    recs = []
+    for i in range(n):
+        ids, _ = __import__("routereplay.testing", fromlist=["x"]).routing_trace(
+            rng, t, schema8.num_moe_layers, schema8.num_experts, schema8.top_k, 0.3, 1.0)
+        recs.append(RoutingRecord(f"g{i}", ids, prompt_len=t // 2))
+    return recs, write_records(None, schema8, recs, token_block=256, **kw).getvalue()
+
+
+@pytest.fixture
+def schema8():
+    from routereplay.schema import RoutingSchema
+    return RoutingSchema(9, tuple(range(1, 9)), 4, 64)
+
+
+def _sections(reader, sid):
+    """(frame offset, head, section boundaries in the body, body offset) of a record."""
+    h = reader._head(reader._locate(sid).offset)
+    g = h.grid
+    payload_at = h.offset + 24
+    raw = reader._read(payload_at, h.payload_len)
+    ends = [0] + np.frombuffer(raw[g.head_len:g.head_len + g.table_len], "<u4").tolist() \
+        + [h.payload_len - h.body_at]
+    return h, ends, payload_at + h.body_at
+
+
+def test_v3_fetch_reads_only_the_head_its_table_entries_and_its_sections(schema8):
+    recs, data = _grid_stream(schema8)
+    f = CountingFile(data)
+    r = SidecarReader(f)
+    h, ends, _ = _sections(SidecarReader(data), "g1")
+    g = h.grid
+    assert (g.token_block, g.layer_group, g.n_blocks, g.n_groups) == (256, 1, 12, 8)
+    nb = g.n_blocks
+    f.requests = f.bytes = 0
+    ids, first = r.fetch("g1", [2, 3], [(300, 700)])[0]
+    np.testing.assert_array_equal(ids, recs[1].expert_ids[300:700, [2, 3]])
+    assert first == 300
+    need = [gi * nb + b for gi in (2, 3) for b in (1, 2)]          # rows [256, 768)
+    sections = sum(ends[i + 1] - ends[i] for i in need)
+    # the head read (256 bytes at the frame) also holds table entries 2nb .. 3nb+2
+    assert h.grid.head_len + 4 * (3 * nb + 3) <= 256 - 24
+    assert f.requests == 3                  # the head, then two runs of sections
+    assert f.bytes == 256 + sections, (f.bytes, sections)
+    assert f.bytes < 0.06 * (24 + h.payload_len)
+    # the head is cached: a second fetch reads table entries (6nb-1 .. 7nb) and sections only
+    f.requests = f.bytes = 0
+    np.testing.assert_array_equal(r.fetch("g1", [6], [(0, 10), (2990, 3100)])[1][0],
+                                  recs[1].expert_ids[2990:, [6]])
+    need = [6 * nb + 0, 6 * nb + nb - 1]
+    assert f.requests == 3 and f.bytes == 4 * (nb + 1) + sum(ends[i + 1] - ends[i] for i in need)
+
+
+def test_v3_fetch_without_moe_layers_reads_no_section(schema8):
+    recs, data = _grid_stream(schema8)
+    f = CountingFile(data)
+    r = SidecarReader(f)
+    f.requests = f.bytes = 0
+    (ids, first), = r.fetch("g2", [], [(10, 50)])
+    assert ids.shape == (40, 0, 4) and first == 10
+    assert f.requests == 1 and f.bytes == 256                     # the head only
+    r.fetch("g2", [], [(10, 50)])
+    assert f.requests == 1                                        # cached: nothing more
+
+
+def test_v3_corrupt_section_costs_only_its_rows(schema8):
+    recs, data = _grid_stream(schema8)
+    h, ends, body_at = _sections(SidecarReader(data), "g0")
+    nb = h.grid.n_blocks
+    bad = bytearray(data)
+    bad[body_at + ends[1 * nb + 0] + 9] ^= 0x10                   # MoE layer 1, rows [0, 256)
+    r = SidecarReader(bytes(bad))
+    np.testing.assert_array_equal(r.fetch("g0", [0, 2], [(0, 3000)])[0][0],
+                                  recs[0].expert_ids[:, [0, 2]])
+    np.testing.assert_array_equal(r.fetch("g0", [1], [(256, 400)])[0][0],
+                                  recs[0].expert_ids[256:400, [1]])
+    with pytest.raises(SidecarError, match=r"sample 'g0' \(frame at offset \d+\): section 12 "
+                       r"\(MoE layers \[1, 2\), rows \[0, 256\)\): checksum mismatch"):
+        r.fetch("g0", [1], [(100, 300)])
+    with pytest.raises(SidecarError, match="'g0'"):
+        r.read("g0")
+    r2 = SidecarReader(bytes(bad))
+    r2.scan()                                                     # a scan checks every byte
+    assert any("'g0'" in e and "section 12" in e for e in r2.errors)
+    assert r2.sample_ids() == ["g1", "g2"]
+
+
+def test_v3_forged_table_entry_in_an_indexed_stream(schema8):
+    """The table is not checksummed: a forged entry is caught by the sections' CRCs (which
+    cover each section's index) or by the entries' order, never read as another section."""
+    recs, data = _grid_stream(schema8)
+    h, ends, body_at = _sections(SidecarReader(data), "g1")
+    table_at = h.offset + 24 + h.grid.head_len
+    nb = h.grid.n_blocks
+    for i, value, why in ((3, ends[3], "overlapping"),          # section 3 ends where 2 did
+                          (3, ends[5], "checksum mismatch"),    # section 3 swallows 4
+                          (3, 1 << 31, "overlapping")):         # past the body
+        bad = bytearray(data)
+        bad[table_at + 4 * i:table_at + 4 * i + 4] = struct.pack("<I", value)
+        r = SidecarReader(bytes(bad))
+        with pytest.raises(SidecarError, match=f"sample 'g1'.*section 3.*{why}"):
+            r.fetch("g1", [0], [(3 * 256, 4 * 256)])
+        np.testing.assert_array_equal(r.fetch("g1", [1], [(0, 3000)])[0][0],
+                                      recs[1].expert_ids[:, [1]])
+        assert nb > 5
+
+
+def test_v3_per_record_overhead_is_36_plus_twice_the_id(schema):
+    """A short routing-only record costs 36 + 2 x len(sample id) bytes beyond its section's
+    coded data (docs/FORMAT.md "Per-record overhead")."""
+    from routereplay.record import RoutingRecord
+    from routereplay.sidecar.layout import encode_header
+    recs = [RoutingRecord(f"id{i:03d}", random_record(schema, "x", 100, i).expert_ids)
+            for i in range(20)]
+    data = write_records(None, schema, recs).getvalue()
+    header = len(encode_header(schema))
+    coded = sum(len(codec.encode(x.expert_ids, codec.DEFAULT_CODEC, schema.num_experts))
+                for x in recs)
+    stream_fixed = header + 24 + 1 + 16             # index frame header, count, trailer
+    per_record = (len(data) - stream_fixed - coded) / len(recs)
+    assert per_record == 36 + 2 * 5, per_record
+    v2 = write_records(None, schema, recs, format_version=2).getvalue()
+    assert (len(v2) - len(data)) / len(recs) > 60          # version 2: about 120 bytes
+
+
+def test_v2_writer_option_round_trips_and_old_readers_refuse_v3(schema):
+    recs = _records(schema, 3)
+    v2 = write_records(None, schema, recs, format_version=2).getvalue()
+    r = SidecarReader(v2)
+    assert r.version == 2 and r.layer_group == 3          # groups of 4, clamped to L_moe
+    for a, b in zip(recs, r.records()):
+        _assert_same(a, b)
+    assert struct.unpack("<H", write_records(None, schema, recs).getvalue()[8:10]) == (3,)
+    with pytest.raises(ValueError, match="format_version"):
+        SidecarWriter(None, schema, format_version=4)

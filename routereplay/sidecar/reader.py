@@ -134,8 +134,8 @@ class SidecarReader:
     """Read a sidecar stream lazily.
 
     Args:
-        source: a local path (a regular file), an fsspec URL, bytes, or a seekable binary
-            file object.
+        source: a local path (a regular file), an fsspec URL (opened without a read-ahead
+            cache: one ranged request per read), bytes, or a seekable binary file object.
 
     Attributes:
         name: the path or URL read ("<bytes>" / "<stream>" otherwise), for messages.
@@ -181,7 +181,10 @@ class SidecarReader:
         elif isinstance(source, (str, os.PathLike)):
             import fsspec
             self.name = os.fspath(source)
-            self._f = fsspec.open(self.name, "rb").open()
+            # NOTE: no read-ahead cache: fsspec's default fetches whole blocks (5 MiB in
+            # its base class) for every ranged read, which swallows version 3's partial
+            # reads (docs/scale.md); each read is then one ranged request of its bytes.
+            self._f = fsspec.open(self.name, "rb", cache_type="none").open()
         elif all(hasattr(source, m) for m in ("read", "seek", "tell")):
             self.name = getattr(source, "name", None) or "<stream>"
             self.name = self.name if isinstance(self.name, str) else "<stream>"
