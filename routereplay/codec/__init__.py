@@ -35,7 +35,7 @@ CODECS = ("ctx-zstd", "xl-zstd", "ctx-ans", "ctx-ans-sorted", "zstd-lm", "raw-lm
 
 _MODEL_CODECS = ("ctx-zstd", "xl-zstd", "ctx-ans", "ctx-ans-sorted")    # need num_experts
 
-__all__ = ["CODECS", "DEFAULT_CODEC", "encode", "decode", "bounded_zstd_decompress"]
+__all__ = ["CODECS", "DEFAULT_CODEC", "encode", "encode_grid", "decode", "bounded_zstd_decompress"]
 
 
 def encode(ids: np.ndarray, codec: str = DEFAULT_CODEC, num_experts: int | None = None) -> bytes:
@@ -67,6 +67,29 @@ def encode(ids: np.ndarray, codec: str = DEFAULT_CODEC, num_experts: int | None 
     if codec in ("ctx-ans", "ctx-ans-sorted"):
         return ctx_ans.encode(ids, num_experts, sorted_rows=codec == "ctx-ans-sorted")
     raise ConfigError(f"unknown codec {codec!r}; known: {CODECS}")
+
+
+def encode_grid(ids: np.ndarray, codec: str, num_experts: int | None, token_block: int,
+                layer_group: int) -> list[bytes]:
+    """The sections of a version-3 grid (docs/FORMAT.md "Sections"): ids [T, L, top_k]
+    in layer groups of ``layer_group`` x token blocks of ``token_block`` rows, group-major,
+    each exactly ``encode(ids[rows, layers], codec, num_experts)``. ``ctx-zstd`` and
+    ``xl-zstd`` do the per-row work once over the record (their per-section fixed cost is
+    what limits a grid's encode speed).
+
+    Raises:
+        as :func:`encode`.
+    """
+    t, nl = (ids.shape[0], ids.shape[1]) if isinstance(ids, np.ndarray) and ids.ndim == 3 \
+        else (0, 0)
+    if codec in ("ctx-zstd", "xl-zstd") and isinstance(ids, np.ndarray) and ids.ndim == 3 \
+            and ids.dtype in (np.uint8, np.uint16) and num_experts is not None:
+        if codec == "ctx-zstd":
+            return ctx_zstd.encode_grid(ids, num_experts, token_block, layer_group)
+        return xl_zstd.encode_grid(ids, num_experts, token_block, layer_group)
+    return [encode(np.ascontiguousarray(ids[r0:r0 + token_block, l0:l0 + layer_group]), codec,
+                   num_experts)
+            for l0 in range(0, nl, layer_group) for r0 in range(0, max(t, 1), token_block)]
 
 
 def decode(data: bytes, codec: str, shape: tuple[int, int, int], dtype: np.dtype,

@@ -320,11 +320,12 @@ def encode_record_payload(record: RoutingRecord, schema: RoutingSchema,
         b_rows, g_layers = max(t, 1), nl
     nb, ng = max(1, -(-t // b_rows)), -(-nl // g_layers)
     secs: list[tuple[str, bytes, int]] = []          # (codec, data, decoded bytes)
-    for g in range(ng):
-        part_g = ids[:, g * g_layers:(g + 1) * g_layers]
-        for b in range(nb):
-            secs.append(_encode_routing(part_g[b * b_rows:(b + 1) * b_rows], codec,
-                                        schema.num_experts))
+    blobs = _codec.encode_grid(ids, codec, schema.num_experts, b_rows, g_layers)
+    for i, blob in enumerate(blobs):
+        g, b = divmod(i, nb)
+        part = ids[b * b_rows:(b + 1) * b_rows, g * g_layers:(g + 1) * g_layers]
+        secs.append((codec, blob, part.nbytes) if section_fits(codec, part.nbytes, len(blob))
+                    else _encode_routing(part, codec, schema.num_experts))
     arrays: list[tuple[str, int]] = []
     if record.token_ids is not None:
         tok = np.ascontiguousarray(record.token_ids, dtype="<i4").tobytes()
