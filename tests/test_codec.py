@@ -477,6 +477,5 @@ def test_encode_grid_equals_sections_encoded_one_by_one(name):
         want = [codec.encode(np.ascontiguousarray(ids[r:r + b, lo:lo + g]), name, e)
                 for lo in range(0, nl, g) for r in range(0, max(t, 1), b)]
         assert got == want, (e, k, t)
-        for blob, r in zip(got[:2], (0, b)):
-            part = ids[r:r + b, :g]
-            np.testing.assert_array_equal(codec.decode(blob, name, part.shape, ids.dtype, e), part)
+        part = ids[:b, :g]
+        np.testing.assert_array_equal(codec.decode(got[0], name, part.shape, ids.dtype, e), part)
