@@ -177,7 +177,7 @@ def test_layer_groups_decode_only_requested(schema, monkeypatch):
     monkeypatch.setattr(codec, "decode", lambda *a, **k: calls.append(a[2]) or real(*a, **k))
     # a grid of 8-row x 1-layer sections (one_section_bytes=0: even this short record)
     data = write_records(None, schema, [rec], layer_group=1, token_block=8,
-                         one_section_bytes=0).getvalue()
+                         one_section_bytes=0, min_section_bytes=0).getvalue()
     part = SidecarReader(data).read("g", layers=[1], tokens=(10, 14), arrays=False)
     np.testing.assert_array_equal(part.expert_ids, rec.expert_ids[10:14, [1]])
     assert calls == [(8, 1, 4)]             # one of 3 x 3 sections decoded
@@ -205,7 +205,8 @@ def test_fuzz_payload_with_valid_checksums(data):
     schema = RoutingSchema(4, (1, 2, 3), 4, 16)
     rec = _FUZZ_BASE.setdefault("rec", random_record(schema, "f", 30, 1))
     version = data.draw(st.sampled_from([2, 3]))
-    grid = dict(token_block=8, one_section_bytes=0) if data.draw(st.booleans()) else {}
+    grid = dict(token_block=8, one_section_bytes=0, min_section_bytes=0) \
+        if data.draw(st.booleans()) else {}
     payload = bytearray(sc.encode_record_payload(rec, schema, version=version,
                                                  codecs=crafted.CODECS_V3,
                                                  **(grid if version == 3 else {})))
@@ -422,7 +423,8 @@ def _grid_stream(schema8, n=3, t=3000, **kw):
         ids, _ = __import__("routereplay.testing", fromlist=["x"]).routing_trace(
             rng, t, schema8.num_moe_layers, schema8.num_experts, schema8.top_k, 0.3, 1.0)
         recs.append(RoutingRecord(f"g{i}", ids, prompt_len=t // 2))
-    return recs, write_records(None, schema8, recs, token_block=256, **kw).getvalue()
+    return recs, write_records(None, schema8, recs, token_block=256, min_section_bytes=0,
+                               **kw).getvalue()
 
 
 @pytest.fixture
@@ -551,3 +553,18 @@ def test_v2_writer_option_round_trips_and_old_readers_refuse_v3(schema):
     assert struct.unpack("<H", write_records(None, schema, recs).getvalue()[8:10]) == (3,)
     with pytest.raises(ValueError, match="format_version"):
         SidecarWriter(None, schema, format_version=4)
+
+
+def test_v3_repetitive_records_get_longer_token_blocks(schema8):
+    """Sections that code to less than min_section_bytes on average (90 % repeats) are
+    merged along tokens: fewer sections, each about that size, and a smaller record."""
+    from routereplay.record import RoutingRecord
+    from routereplay.testing import routing_trace
+    ids, _ = routing_trace(np.random.default_rng(3), 4096, 8, 64, 4, 0.95, 1.0)
+    rec = RoutingRecord("rep", ids)
+    merged = write_records(None, schema8, [rec], token_block=256).getvalue()
+    plain = write_records(None, schema8, [rec], token_block=256, min_section_bytes=0).getvalue()
+    g = SidecarReader(merged)._head(SidecarReader(merged)._locate("rep").offset).grid
+    assert g.token_block > 256 and g.token_block % 256 == 0 and len(merged) < 0.9 * len(plain)
+    np.testing.assert_array_equal(SidecarReader(merged).fetch("rep", [3], [(100, 3000)])[0][0],
+                                  ids[100:3000, [3]])

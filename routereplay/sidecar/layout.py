@@ -48,6 +48,7 @@ MAX_TOKENS = 1 << 24                           # routing rows, and start + rows,
 DEFAULT_TOKEN_BLOCK = 512                      # rows per routing section (B)
 DEFAULT_LAYER_GROUP = 1                        # MoE layers per routing section (G)
 DEFAULT_ONE_SECTION_BYTES = 64 << 10           # records with at most this many id bytes: one section
+DEFAULT_MIN_SECTION_BYTES = 1024               # coded bytes a routing section should reach
 V2_LAYER_GROUP = 4                             # the version-2 writer's default layer group
 MAX_CODECS = 256                               # entries of a version-3 header's codec table
 
@@ -130,7 +131,8 @@ def encode_header(schema: RoutingSchema, codec: str = "ctx-zstd", extra: dict[st
                   layer_group: int | None = None, column_order: str = "engine", *,
                   version: int = FORMAT_VERSION, token_block: int = DEFAULT_TOKEN_BLOCK,
                   one_section_bytes: int = DEFAULT_ONE_SECTION_BYTES,
-                  codecs: tuple[str, ...] | None = None) -> bytes:
+                  codecs: tuple[str, ...] | None = None,
+                  min_section_bytes: int = DEFAULT_MIN_SECTION_BYTES) -> bytes:
     """Stream header bytes for ``schema`` (FORMAT.md "Header").
 
     Args:
@@ -148,6 +150,7 @@ def encode_header(schema: RoutingSchema, codec: str = "ctx-zstd", extra: dict[st
                             "column_order": column_order, "layer_group": layer_group}
     if version >= 3:
         meta.update(token_block=token_block, one_section_bytes=one_section_bytes,
+                    min_section_bytes=min_section_bytes,
                     codecs=list(codecs if codecs is not None else codec_table(codec)))
     if extra:
         meta["extra"] = extra

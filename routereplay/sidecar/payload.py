@@ -29,7 +29,8 @@ from routereplay import codec as _codec
 from routereplay.errors import RecordError, SidecarError
 from routereplay.record import RoutingRecord, WeightVersionSpan
 from routereplay.schema import RoutingSchema
-from routereplay.sidecar.layout import (DEFAULT_LAYER_GROUP, DEFAULT_ONE_SECTION_BYTES,
+from routereplay.sidecar.layout import (DEFAULT_LAYER_GROUP, DEFAULT_MIN_SECTION_BYTES,
+                                        DEFAULT_ONE_SECTION_BYTES,
                                         DEFAULT_TOKEN_BLOCK, FORMAT_VERSION, MAX_JSON_BYTES,
                                         MAX_TOKENS, V2_LAYER_GROUP, VarintError, codec_table,
                                         read_varint, varint)
@@ -285,13 +286,17 @@ def encode_record_payload(record: RoutingRecord, schema: RoutingSchema,
                           column_order: str = "engine", *, version: int = FORMAT_VERSION,
                           token_block: int = DEFAULT_TOKEN_BLOCK,
                           one_section_bytes: int = DEFAULT_ONE_SECTION_BYTES,
+                          min_section_bytes: int = DEFAULT_MIN_SECTION_BYTES,
                           codecs: tuple[str, ...] | None = None) -> RecordPayload:
     """Record frame payload (docs/FORMAT.md "Record payload"); frame it with
     ``encode_frame(KIND_RECORD, payload)`` (which takes ``payload.head_len``).
 
     Version 3 (default): a record whose ids take at most ``one_section_bytes`` bytes
     (``T x L_moe x top_k x itemsize``) is one routing section; a larger one is a grid of
-    ``token_block`` rows x ``layer_group`` MoE layers. Token ids (one zstd section) and
+    ``token_block`` rows x ``layer_group`` MoE layers; where its routing sections code to
+    less than ``min_section_bytes`` on average (repetitive routing), the token block is
+    multiplied by the smallest power of two that brings the mean to it (at most T rows).
+    Token ids (one zstd section) and
     log-probs (one raw section) follow. ``codecs`` is the stream header's codec table
     (default: :func:`routereplay.sidecar.layout.codec_table` of ``codec``). A section that
     would expand beyond the reader's limit (:func:`section_fits`) is stored with the next
@@ -318,9 +323,20 @@ def encode_record_payload(record: RoutingRecord, schema: RoutingSchema,
         b_rows, g_layers = token_block, layer_group or DEFAULT_LAYER_GROUP
     else:
         b_rows, g_layers = max(t, 1), nl
+    blobs = _codec.encode_grid(ids, codec, schema.num_experts, b_rows, g_layers)
+    if grid and min_section_bytes and t > b_rows:
+        # NOTE: highly repetitive routing codes a 512-row section to a few hundred bytes, and
+        # a section's fixed cost (zstd frame, Huffman table, CRC, table entry: 30-60 bytes)
+        # then takes a large share (measured up to 1.5x zstd-19 on 4096-token records with
+        # 90 % repeats). Longer blocks, to about min_section_bytes coded each, cost a rank
+        # reading a few rows at most that many bytes more.
+        mean = sum(map(len, blobs)) / len(blobs)
+        if mean < min_section_bytes:
+            m = 1 << int(np.ceil(np.log2(min_section_bytes / max(mean, 1.0))))
+            b_rows = min(b_rows * m, t)
+            blobs = _codec.encode_grid(ids, codec, schema.num_experts, b_rows, g_layers)
     nb, ng = max(1, -(-t // b_rows)), -(-nl // g_layers)
     secs: list[tuple[str, bytes, int]] = []          # (codec, data, decoded bytes)
-    blobs = _codec.encode_grid(ids, codec, schema.num_experts, b_rows, g_layers)
     for i, blob in enumerate(blobs):
         g, b = divmod(i, nb)
         part = ids[b * b_rows:(b + 1) * b_rows, g * g_layers:(g + 1) * g_layers]
@@ -593,28 +609,28 @@ def open_section(grid: Grid, i: int, raw: memoryview, codecs: tuple[str, ...],
             codec other than zstd/raw, or a section beyond the expansion limit (naming the
             section).
     """
-    where = grid.describe(i)
     if len(raw) < SECTION_OVERHEAD:
-        raise SidecarError(f"{where} is shorter than its checksum and codec byte")
+        raise SidecarError(f"{grid.describe(i)} is shorter than its checksum and codec byte")
     cb = raw[4]
     if _U32.unpack(raw[:4])[0] != section_crc(i, cb, raw[5:]):
-        raise SidecarError(f"{where}: checksum mismatch")
+        raise SidecarError(f"{grid.describe(i)}: checksum mismatch")
     if cb >= len(codecs):
-        raise SidecarError(f"{where}: codec byte {cb} outside the header's table of "
+        raise SidecarError(f"{grid.describe(i)}: codec byte {cb} outside the header's table of "
                            f"{len(codecs)} codecs")
     codec = codecs[cb]
     data = raw[SECTION_OVERHEAD:]
     if i >= grid.n_routing:
         name, n = grid.arrays[i - grid.n_routing]
         if codec not in ARRAY_CODECS:
-            raise SidecarError(f"{where}: codec {codec!r} is not an array codec {ARRAY_CODECS}")
+            raise SidecarError(f"{grid.describe(i)}: codec {codec!r} is not an array codec "
+                               f"{ARRAY_CODECS}")
         decoded = n * ARRAY_SECTIONS[name].itemsize
     else:
         g, b = divmod(i, grid.n_blocks)
         (l0, l1), (r0, r1) = grid.layers(g), grid.rows(b)
         decoded = (r1 - r0) * (l1 - l0) * schema.top_k * schema.id_dtype.itemsize
     if not section_fits(codec, decoded, len(data)):
-        raise SidecarError(f"{where} ({codec}) declares {decoded} bytes from {len(data)} "
+        raise SidecarError(f"{grid.describe(i)} ({codec}) declares {decoded} bytes from {len(data)} "
                            f"stored bytes: beyond the reader's limit of {EXPANSION[codec]} x "
                            f"+ {EXPANSION_SLACK} bytes")
     return codec, data

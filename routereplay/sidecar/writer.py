@@ -17,7 +17,8 @@ from routereplay.errors import ConfigError, RecordError, SidecarError
 from routereplay.record import RoutingRecord
 from routereplay.schema import RoutingSchema
 from routereplay.sidecar.layout import (COLUMN_ORDERS, DEFAULT_LAYER_GROUP,
-                                        DEFAULT_ONE_SECTION_BYTES, DEFAULT_TOKEN_BLOCK,
+                                        DEFAULT_MIN_SECTION_BYTES, DEFAULT_ONE_SECTION_BYTES,
+                                        DEFAULT_TOKEN_BLOCK,
                                         FORMAT_VERSION, KIND_INDEX, KIND_RECORD, MAX_JSON_BYTES,
                                         MAX_TOKENS, V2_LAYER_GROUP, WRITABLE_VERSIONS,
                                         codec_table, encode_frame, encode_header, encode_index,
@@ -67,6 +68,9 @@ class SidecarWriter:
         one_section_bytes: version 3: a record whose ids take at most this many bytes
             (``T x L_moe x top_k x itemsize``, default 64 KiB) is written as one section:
             short records pay one section's framing, and a codec sees all their layers.
+        min_section_bytes: version 3: where a record's routing sections code to less than
+            this on average (default 1024; repetitive routing), its token block is multiplied
+            by the smallest power of two that reaches it (0: never).
         format_version: 3 (default) or 2, for readers older than version 3 (which refuse
             version 3 by its header).
         background: encode and write on a background thread (default). The queue holds
@@ -113,6 +117,7 @@ class SidecarWriter:
                  layer_group: int | None = None, column_order: str = "engine",
                  token_block: int = DEFAULT_TOKEN_BLOCK,
                  one_section_bytes: int = DEFAULT_ONE_SECTION_BYTES,
+                 min_section_bytes: int = DEFAULT_MIN_SECTION_BYTES,
                  format_version: int = FORMAT_VERSION):
         if not isinstance(schema, RoutingSchema):
             raise ConfigError(f"schema must be a RoutingSchema, got {type(schema).__name__}")
@@ -129,7 +134,8 @@ class SidecarWriter:
         if layer_group is None:
             layer_group = DEFAULT_LAYER_GROUP if format_version >= 3 else V2_LAYER_GROUP
         for name, v, lo in (("layer_group", layer_group, 1), ("token_block", token_block, 1),
-                            ("one_section_bytes", one_section_bytes, 0)):
+                            ("one_section_bytes", one_section_bytes, 0),
+                            ("min_section_bytes", min_section_bytes, 0)):
             if isinstance(v, bool) or not isinstance(v, int) or v < lo:
                 raise ConfigError(f"{name} must be an integer >= {lo}, got {v!r}")
         if token_block > MAX_TOKENS:
@@ -140,11 +146,13 @@ class SidecarWriter:
             raise ConfigError(f"max_queue must be an integer >= 1, got {max_queue!r}")
         self.format_version = format_version
         self.token_block, self.one_section_bytes = token_block, one_section_bytes
+        self.min_section_bytes = min_section_bytes
         self._codecs = codec_table(codec)
         try:
             header = encode_header(schema, codec, extra_header, layer_group, column_order,
                                    version=format_version, token_block=token_block,
-                                   one_section_bytes=one_section_bytes, codecs=self._codecs)
+                                   one_section_bytes=one_section_bytes, codecs=self._codecs,
+                                   min_section_bytes=min_section_bytes)
         except (TypeError, ValueError) as e:
             raise ConfigError(f"extra_header is not JSON-serialisable: {e}") from None
         if len(header) - 20 > MAX_JSON_BYTES:
@@ -297,6 +305,7 @@ class SidecarWriter:
                                         self.column_order, version=self.format_version,
                                         token_block=self.token_block,
                                         one_section_bytes=self.one_section_bytes,
+                                        min_section_bytes=self.min_section_bytes,
                                         codecs=self._codecs)
         offset = self._pos
         self._emit(encode_frame(KIND_RECORD, payload))

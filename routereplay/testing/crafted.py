@@ -265,7 +265,7 @@ def _grid_record(schema: RoutingSchema, sample_id: str = "grid", num_tokens: int
                  seed: int = 9, arrays: bool = True) -> tuple[RoutingRecord, dict]:
     """A record and the writer options that make it a grid of 8-row x 1-layer sections."""
     return (record(schema, sample_id, num_tokens, seed, arrays),
-            dict(token_block=8, layer_group=1, one_section_bytes=0))
+            dict(token_block=8, layer_group=1, one_section_bytes=0, min_section_bytes=0))
 
 
 def forged_table_entry(schema: RoutingSchema) -> bytes:
