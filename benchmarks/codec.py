@@ -303,18 +303,24 @@ def _z19(b: bytes) -> int:
     return len(zstandard.ZstdCompressor(level=19).compress(b))
 
 
-def geometry(ids, one_section_bytes=64 << 10, token_block=512, layer_group=1):
+def geometry(ids, e=None, codec_name="ctx-zstd"):
     """The version-3 writer's section grid for ``ids`` [T, L, K]: (B, G)."""
-    t, nl = ids.shape[:2]
-    return (max(t, 1), nl) if ids.nbytes <= one_section_bytes else (token_block, layer_group)
+    from routereplay.sidecar.payload import grid_sections
+    if e is None:
+        t, nl = ids.shape[:2]
+        if ids.nbytes <= 64 << 10:
+            return max(t, 1), nl
+        e = int(ids.max()) + 1 if ids.size else 1
+    _, b, g, _ = grid_sections(ids, codec_name, e)
+    return b, g
 
 
 def coded_bytes(ids, codec_name, e, version=3, group=GROUP):
     """Bytes of a record's routing sections' coded data as the writer codes them (version
     3: its grid, without each section's CRC and codec byte; version 2: groups of ``group``)."""
     if version >= 3:
-        b, g = geometry(ids)
-        return sum(map(len, codec.encode_grid(ids, codec_name, e, b, g)))
+        from routereplay.sidecar.payload import grid_sections
+        return sum(map(len, grid_sections(ids, codec_name, e)[3]))
     return sum(len(codec.encode(np.ascontiguousarray(ids[:, l0:l0 + group]), codec_name, e))
                for l0 in range(0, ids.shape[1], group))
 
@@ -448,7 +454,7 @@ def print_speed_1k(tokens=1024, layers=32):
                                                                   e, k, 0.5, 1.0)[0])
              for e, k in ((8, 2), (128, 8))]
     for label, e, x in srcs:
-        b, g = geometry(x)
+        b, g = geometry(x, e)
         shapes = [(min(b, x.shape[0] - r0), min(g, x.shape[1] - l0), x.shape[2])
                   for l0 in range(0, x.shape[1], g) for r0 in range(0, max(x.shape[0], 1), b)]
         cells = []

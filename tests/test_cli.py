@@ -65,7 +65,7 @@ def test_convert_npy_npz_folder_and_export(tmp_path, schema):
     assert "wrote 3 records" in p.stdout
     info = json.loads(_cli(["inspect", str(out), "--json"]).stdout)
     assert [r["sample_id"] for r in info["records"]] == ["s1", "s2", "s0"]   # more.npz, s0.npy
-    assert info["num_layers"] == 3 and info["codec"] == "ctx-zstd"
+    assert info["num_layers"] == 3 and info["codec"] == "xl-zstd"
     for sid in ("s0", "s1", "s2"):
         p = _cli(["export", str(out), "--sample", sid, "--out", str(tmp_path / f"{sid}.npy")])
         assert p.returncode == 0, p.stderr

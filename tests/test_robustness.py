@@ -202,7 +202,7 @@ def test_expansion_limit_writer_falls_back_and_reader_accepts(schema):
     ids = np.tile(np.array([[[1, 2, 3, 4]]], np.uint8), (200_000, 3, 1))   # constant routing
     from routereplay.record import RoutingRecord
     r = RoutingRecord("const", ids)
-    for c in ("ctx-ans", "ctx-zstd"):
+    for c in ("ctx-ans", "ctx-zstd", "xl-zstd"):
         data = write_records(None, schema, [r], codec=c).getvalue()
         rd = SidecarReader(data)
         np.testing.assert_array_equal(rd.read("const").expert_ids, ids)

@@ -226,7 +226,7 @@ def _cmd_convert(a: argparse.Namespace) -> int:
                          "--top-k and --moe-layers or --num-layers")
     try:
         schema = schema_from_args(a.config, a.num_experts, a.top_k, a.moe_layers, a.num_layers)
-        writer_codec(a.codec, a.column_order)
+        writer_codec(a.codec, a.column_order, a.format_version)
     except (SchemaError, ConfigError) as e:
         where = "--config " + a.config if a.config else "--num-experts/--top-k/--moe-layers"
         if isinstance(e, SchemaError) and a.config:
@@ -447,8 +447,8 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--num-layers", type=_positive_int,
                    help="num_hidden_layers (default: max MoE layer + 1)")
     c.add_argument("--codec", default=None, choices=CODECS,
-                   help="routing codec (default ctx-zstd; ctx-ans-sorted with --column-order "
-                        "sorted; ctx-ans: smallest, slower)")
+                   help="routing codec (default xl-zstd, ctx-zstd with --format-version 2; "
+                        "ctx-ans-sorted with --column-order sorted; ctx-ans: smallest, slower)")
     c.add_argument("--column-order", default="engine", choices=["engine", "sorted"])
     c.add_argument("--layer-group", type=_positive_int, default=None,
                    help="MoE layers per routing section (default 1; format 2: 4)")

@@ -127,7 +127,8 @@ class Header:
     codecs: tuple[str, ...] = ()
 
 
-def encode_header(schema: RoutingSchema, codec: str = "ctx-zstd", extra: dict[str, Any] | None = None,
+def encode_header(schema: RoutingSchema, codec: str | None = None,
+                  extra: dict[str, Any] | None = None,
                   layer_group: int | None = None, column_order: str = "engine", *,
                   version: int = FORMAT_VERSION, token_block: int = DEFAULT_TOKEN_BLOCK,
                   one_section_bytes: int = DEFAULT_ONE_SECTION_BYTES,
@@ -136,7 +137,9 @@ def encode_header(schema: RoutingSchema, codec: str = "ctx-zstd", extra: dict[st
     """Stream header bytes for ``schema`` (FORMAT.md "Header").
 
     Args:
-        codec: the writer's default routing codec.
+        codec: the writer's default routing codec (default: ``routereplay.codec``'s
+            ``DEFAULT_CODEC``, ``V2_DEFAULT_CODEC`` for version 2, matching
+            :func:`routereplay.sidecar.payload.encode_record_payload`).
         layer_group: MoE layers per routing section (default: the version's default).
         version: 3 (default) or 2 (for readers older than version 3).
         token_block, one_section_bytes: version 3: the writer's section grid (informational).
@@ -144,6 +147,9 @@ def encode_header(schema: RoutingSchema, codec: str = "ctx-zstd", extra: dict[st
     """
     if version not in WRITABLE_VERSIONS:
         raise ValueError(f"format version {version} is not one a writer writes {WRITABLE_VERSIONS}")
+    if codec is None:
+        from routereplay import codec as _codec
+        codec = _codec.DEFAULT_CODEC if version >= 3 else _codec.V2_DEFAULT_CODEC
     if layer_group is None:
         layer_group = DEFAULT_LAYER_GROUP if version >= 3 else V2_LAYER_GROUP
     meta: dict[str, Any] = {"schema": schema.to_dict(), "codec": codec,

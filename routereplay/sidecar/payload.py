@@ -281,7 +281,7 @@ class RecordPayload(bytes):
 
 
 def encode_record_payload(record: RoutingRecord, schema: RoutingSchema,
-                          codec: str = _codec.DEFAULT_CODEC,
+                          codec: str | None = None,
                           layer_group: int | None = None,
                           column_order: str = "engine", *, version: int = FORMAT_VERSION,
                           token_block: int = DEFAULT_TOKEN_BLOCK,
@@ -291,6 +291,7 @@ def encode_record_payload(record: RoutingRecord, schema: RoutingSchema,
     """Record frame payload (docs/FORMAT.md "Record payload"); frame it with
     ``encode_frame(KIND_RECORD, payload)`` (which takes ``payload.head_len``).
 
+    ``codec`` None: ``xl-zstd`` (version 2: ``ctx-zstd``), as :class:`SidecarWriter`.
     Version 3 (default): a record whose ids take at most ``one_section_bytes`` bytes
     (``T x L_moe x top_k x itemsize``) is one routing section; a larger one is a grid of
     ``token_block`` rows x ``layer_group`` MoE layers; where its routing sections code to
@@ -310,6 +311,8 @@ def encode_record_payload(record: RoutingRecord, schema: RoutingSchema,
         RecordError: the meta exceeds the reader's limit (``MAX_JSON_BYTES``), or the body
             4 GiB.
     """
+    if codec is None:
+        codec = _codec.DEFAULT_CODEC if version >= 3 else _codec.V2_DEFAULT_CODEC
     if version < 3:
         from routereplay.sidecar.payload_v2 import encode_payload_v2
         return RecordPayload(encode_payload_v2(record, schema, codec,
@@ -318,23 +321,9 @@ def encode_record_payload(record: RoutingRecord, schema: RoutingSchema,
     cid = {c: i for i, c in enumerate(codecs)}
     ids = np.sort(record.expert_ids, axis=-1) if column_order == "sorted" else record.expert_ids
     t, nl = ids.shape[0], schema.num_moe_layers
-    grid = ids.nbytes > one_section_bytes
-    if grid:
-        b_rows, g_layers = token_block, layer_group or DEFAULT_LAYER_GROUP
-    else:
-        b_rows, g_layers = max(t, 1), nl
-    blobs = _codec.encode_grid(ids, codec, schema.num_experts, b_rows, g_layers)
-    if grid and min_section_bytes and t > b_rows:
-        # NOTE: highly repetitive routing codes a 512-row section to a few hundred bytes, and
-        # a section's fixed cost (zstd frame, Huffman table, CRC, table entry: 30-60 bytes)
-        # then takes a large share (measured up to 1.5x zstd-19 on 4096-token records with
-        # 90 % repeats). Longer blocks, to about min_section_bytes coded each, cost a rank
-        # reading a few rows at most that many bytes more.
-        mean = sum(map(len, blobs)) / len(blobs)
-        if mean < min_section_bytes:
-            m = 1 << int(np.ceil(np.log2(min_section_bytes / max(mean, 1.0))))
-            b_rows = min(b_rows * m, t)
-            blobs = _codec.encode_grid(ids, codec, schema.num_experts, b_rows, g_layers)
+    grid, b_rows, g_layers, blobs = grid_sections(ids, codec, schema.num_experts, token_block,
+                                                  layer_group or DEFAULT_LAYER_GROUP,
+                                                  one_section_bytes, min_section_bytes)
     nb, ng = max(1, -(-t // b_rows)), -(-nl // g_layers)
     secs: list[tuple[str, bytes, int]] = []          # (codec, data, decoded bytes)
     for i, blob in enumerate(blobs):
@@ -386,6 +375,38 @@ def assemble(meta: bytes, sections: list[tuple[int, bytes]],
                         + b"".join(blobs))
     out.head_len = len(head)
     return out
+
+
+def grid_sections(ids: np.ndarray, codec: str, num_experts: int,
+                  token_block: int = DEFAULT_TOKEN_BLOCK, layer_group: int = DEFAULT_LAYER_GROUP,
+                  one_section_bytes: int = DEFAULT_ONE_SECTION_BYTES,
+                  min_section_bytes: int = DEFAULT_MIN_SECTION_BYTES
+                  ) -> tuple[bool, int, int, list[bytes]]:
+    """The version-3 writer's geometry for ids [T, L_moe, K] and its routing sections coded
+    with ``codec`` (before any expansion-limit fallback): (grid, B, G, section data, group-
+    major). One section when the ids take at most ``one_section_bytes``; else
+    ``token_block`` x ``layer_group``, the token block multiplied by the smallest power of
+    two that brings the mean coded section to ``min_section_bytes`` where it is below.
+    """
+    t, nl = ids.shape[:2]
+    if ids.nbytes <= one_section_bytes:
+        b_rows, g_layers = max(t, 1), nl
+        return False, b_rows, g_layers, _codec.encode_grid(ids, codec, num_experts, b_rows,
+                                                           g_layers)
+    b_rows, g_layers = token_block, layer_group
+    blobs = _codec.encode_grid(ids, codec, num_experts, b_rows, g_layers)
+    if min_section_bytes and t > b_rows:
+        # NOTE: highly repetitive routing codes a 512-row section to a few hundred bytes, and
+        # a section's fixed cost (zstd frame, Huffman table, CRC, table entry: 30-60 bytes)
+        # then takes a large share (measured up to 1.5x zstd-19 on 4096-token records with
+        # 90 % repeats). Longer blocks, to about min_section_bytes coded each, cost a rank
+        # reading a few rows at most that many bytes more.
+        mean = sum(map(len, blobs)) / len(blobs)
+        if mean < min_section_bytes:
+            m = 1 << int(np.ceil(np.log2(min_section_bytes / max(mean, 1.0))))
+            b_rows = min(b_rows * m, t)
+            blobs = _codec.encode_grid(ids, codec, num_experts, b_rows, g_layers)
+    return True, b_rows, g_layers, blobs
 
 
 def _encode_routing(part: np.ndarray, codec: str, num_experts: int) -> tuple[str, bytes, int]:

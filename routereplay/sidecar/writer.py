@@ -28,10 +28,12 @@ from routereplay.sidecar.payload import encode_record_payload
 FSYNC_MODES = ("close", "frame", "never")
 
 
-def writer_codec(codec: str | None, column_order: str = "engine") -> str:
+def writer_codec(codec: str | None, column_order: str = "engine",
+                 format_version: int = FORMAT_VERSION) -> str:
     """The routing codec a writer uses for ``codec`` (None: the default) and ``column_order``.
 
-    None -> ``ctx-zstd`` (engine order) or ``ctx-ans-sorted`` (sorted); ``ctx-ans`` with
+    None -> ``xl-zstd`` (engine order; ``ctx-zstd`` for a ``format_version=2`` writer, whose
+    readers may predate ``xl-zstd``) or ``ctx-ans-sorted`` (sorted); ``ctx-ans`` with
     sorted rows -> ``ctx-ans-sorted``.
 
     Raises:
@@ -41,7 +43,8 @@ def writer_codec(codec: str | None, column_order: str = "engine") -> str:
     if column_order not in COLUMN_ORDERS:
         raise ConfigError(f"column_order must be one of {COLUMN_ORDERS}")
     if codec is None:
-        return "ctx-ans-sorted" if column_order == "sorted" else _codec.DEFAULT_CODEC
+        return "ctx-ans-sorted" if column_order == "sorted" else \
+            _codec.DEFAULT_CODEC if format_version >= 3 else _codec.V2_DEFAULT_CODEC
     if column_order == "sorted" and codec == "ctx-ans":
         return "ctx-ans-sorted"
     if codec not in _codec.CODECS:
@@ -77,10 +80,10 @@ class SidecarWriter:
             at most ``max_queue`` records; :meth:`write` blocks when it is full.
         fsync: "close" (default) fsyncs local files on close; "frame" after every frame;
             "never" leaves it to the OS.
-        codec: routing codec (routereplay.codec.CODECS); None (default) picks
-            ``routereplay.codec.DEFAULT_CODEC``, or ``ctx-ans-sorted`` for sorted streams;
-            ``ctx-ans`` is 2-5 % smaller than ``ctx-zstd`` on most routing and 10-50x
-            slower.
+        codec: routing codec (routereplay.codec.CODECS); None (default) picks ``xl-zstd``
+            (``ctx-zstd`` for ``format_version=2``), or ``ctx-ans-sorted`` for sorted
+            streams; ``ctx-ans`` is 2-5 % smaller than ``ctx-zstd`` on most routing and
+            10-50x slower.
         column_order: "engine" (default: top-k columns exactly as the engine returned
             them) or "sorted" (canonical: each row in ascending expert id; declared in the
             header; ``ctx-ans-sorted`` codes it smaller by about log2(top_k!) bits a row).
@@ -125,7 +128,7 @@ class SidecarWriter:
                 and not hasattr(dest, "write"):
             raise ConfigError(f"a sidecar destination is a path, an fsspec URL, a writable "
                               f"binary file object or None, not {type(dest).__name__}")
-        codec = writer_codec(codec, column_order)
+        codec = writer_codec(codec, column_order, format_version)
         if fsync not in FSYNC_MODES:
             raise ConfigError(f"fsync must be one of {FSYNC_MODES}, got {fsync!r}")
         if format_version not in WRITABLE_VERSIONS:
