@@ -34,7 +34,7 @@ from typing import BinaryIO, Iterator, Sequence
 import numpy as np
 
 from routereplay import wire
-from routereplay.errors import RecordError, SchemaError
+from routereplay.errors import ConfigError, RecordError, SchemaError
 from routereplay.record import RoutingRecord, checked_moe_ids
 from routereplay.schema import RoutingSchema
 
@@ -69,17 +69,29 @@ def schema_from_args(config: str | None = None, num_experts: int | None = None,
 
 
 def parse_layers(spec: str) -> list[int]:
-    """'1,2,5-7' -> [1, 2, 5, 6, 7] (decoder layer indices)."""
+    """'1,2,5-7' -> [1, 2, 5, 6, 7] (decoder layer indices).
+
+    Raises:
+        ConfigError: not a comma-separated list of non-negative integers and ranges a-b.
+    """
     out: list[int] = []
     for part in spec.split(","):
         part = part.strip()
         if not part:
             continue
-        if "-" in part:
-            a, b = part.split("-", 1)
-            out.extend(range(int(a), int(b) + 1))
-        else:
-            out.append(int(part))
+        try:
+            if "-" in part:
+                a, b = (int(x) for x in part.split("-", 1))
+                if b < a or a < 0:
+                    raise ValueError(part)
+                out.extend(range(a, b + 1))
+            else:
+                out.append(int(part))
+                if out[-1] < 0:
+                    raise ValueError(part)
+        except ValueError:
+            raise ConfigError(f"layer list {spec!r}: {part!r} is not a layer index or a range "
+                              "a-b of them") from None
     return out
 
 
@@ -91,53 +103,123 @@ def to_record(sample_id: str, arr: np.ndarray, schema: RoutingSchema, *,
     L_moe, None to decide from L. ``id_hint``: see routereplay.record.checked_moe_ids.
 
     Raises:
-        RecordError: wrong shape or dtype, or an id outside [0, num_experts), naming
+        RecordError: wrong shape or dtype (a dtype that cannot hold num_experts - 1
+            included), an id outside [0, num_experts) or repeated in its row, naming
             sample, token and layer; non-zero routing on a layer the schema calls dense
             (see routereplay.record.checked_moe_ids).
     """
     if full_layout is None:
-        nl = arr.shape[1] if isinstance(arr, np.ndarray) and arr.ndim == 3 else None
-        full_layout = nl == schema.num_hidden_layers and nl != schema.num_moe_layers
-    rec = RoutingRecord(sample_id=sample_id,
-                        expert_ids=checked_moe_ids(arr, schema, sample_id, full_layout=full_layout,
-                                                   id_hint=id_hint))
+        full_layout = _full_layout(arr.shape if isinstance(arr, np.ndarray) else (), schema)
+    rec = RoutingRecord(sample_id=sample_id, expert_ids=checked_moe_ids(
+        arr, schema, sample_id, full_layout=full_layout, check_duplicates=True, id_hint=id_hint))
     rec.validate(schema)
     return rec
 
 
-def load_npy(f: BinaryIO, size: int, what: str) -> np.ndarray:
-    """One ``.npy`` array from ``f`` (``size`` bytes available), never unpickling and never
-    allocating more than the bytes that are really there.
+def _full_layout(shape: tuple, schema: RoutingSchema) -> bool:
+    nl = shape[1] if len(shape) == 3 else None
+    return nl == schema.num_hidden_layers and nl != schema.num_moe_layers
+
+
+def read_npy_header(f: BinaryIO, what: str) -> tuple[tuple[int, ...], bool, np.dtype]:
+    """(shape, fortran_order, dtype) of the ``.npy`` data at ``f``'s position; ``f`` is
+    left at the first data byte.
 
     Raises:
-        RecordError: not .npy, an object dtype, or a header claiming more data than present.
+        RecordError: not .npy data, or an object dtype (it would need unpickling).
     """
     try:
         version = np.lib.format.read_magic(f)
         if version == (1, 0):
-            shape, _, dtype = np.lib.format.read_array_header_1_0(f)
+            shape, fortran, dtype = np.lib.format.read_array_header_1_0(f)
         else:
-            shape, _, dtype = np.lib.format.read_array_header_2_0(f)
+            shape, fortran, dtype = np.lib.format.read_array_header_2_0(f)
     except (ValueError, OSError, EOFError) as e:
         raise RecordError(f"{what}: not .npy data ({e})") from None
     if dtype.hasobject:
         raise RecordError(f"{what}: object arrays are refused (they would need unpickling)")
+    return shape, fortran, dtype
+
+
+def read_npy_record(f: BinaryIO, size: int, what: str, sample_id: str, schema: RoutingSchema,
+                    *, full_layout: bool | None = None) -> RoutingRecord:
+    """A record from ``.npy`` routing data at ``f`` (``size`` bytes from its start), read
+    in row chunks: the header is checked against the schema before any data is read, and
+    every chunk is checked (range, repeated ids) as it arrives.
+
+    NOTE: work and memory follow what the data really holds: an all-zero member of an
+    ``.npz`` that expands to 1 GiB is refused at its first chunk (its first row repeats
+    expert 0) instead of being inflated whole; a header claiming more bytes than follow
+    is refused before reading; a valid array costs its record plus one chunk.
+
+    Args:
+        full_layout: as in :func:`to_record` (None: decided from the header's shape).
+    Raises:
+        RecordError: not .npy, not integers, a dtype too narrow for num_experts, a shape
+            that is not [T, num_hidden_layers or L_moe, top_k] or T above the sidecar's
+            limit, fewer bytes than the header claims, or a bad id (named).
+    """
+    from routereplay.record import moe_rows, row_chunks
+    from routereplay.sidecar.layout import MAX_TOKENS
+    base = f.tell()
+    shape, fortran, dtype = read_npy_header(f, what)
+    if dtype.kind not in "iu":
+        raise RecordError(f"{what}: routing ids must be integers, got {dtype}")
+    if full_layout is None:
+        full_layout = _full_layout(shape, schema)
+    width = schema.num_hidden_layers if full_layout else schema.num_moe_layers
+    if len(shape) != 3 or shape[1:] != (width, schema.top_k):
+        raise RecordError(f"{what}: array of shape {list(shape)}, expected [T, {width} "
+                          f"({'num_hidden_layers' if full_layout else 'MoE layers'}), "
+                          f"top_k={schema.top_k}]")
     need = int(np.prod(shape, dtype=np.float64)) * dtype.itemsize
-    if need > size - f.tell():
+    avail = size - (f.tell() - base)
+    if need > avail:
         raise RecordError(f"{what}: the .npy header claims shape {shape} {dtype} ({need} bytes) "
-                          f"but only {size - f.tell()} bytes follow")
-    f.seek(0)
-    return np.load(f, allow_pickle=False)
+                          f"but only {avail} bytes follow")
+    if shape[0] > MAX_TOKENS:
+        raise RecordError(f"{what}: {shape[0]} routing rows, above the sidecar format's limit "
+                          f"of {MAX_TOKENS}")
+    from routereplay.record import check_id_dtype
+    check_id_dtype(dtype, schema, sample_id)
+    if fortran:            # column-major: rows are not contiguous; the bytes are all there
+        arr = np.frombuffer(f.read(need), dtype).reshape(shape, order="F")
+        return to_record(sample_id, arr, schema, full_layout=full_layout)
+    t = shape[0]
+    row_bytes = width * schema.top_k * dtype.itemsize
+    out = None
+    for a, b in row_chunks(t, width * schema.top_k):
+        buf = f.read((b - a) * row_bytes)
+        if len(buf) != (b - a) * row_bytes:
+            raise RecordError(f"{what}: data ends at row {a + len(buf) // row_bytes} of {t}")
+        chunk = np.frombuffer(buf, dtype).reshape(b - a, width, schema.top_k)
+        moe = moe_rows(chunk, schema, sample_id, start=a, full_layout=full_layout,
+                       check_duplicates=True)
+        if out is None:        # NOTE: only once the first chunk holds valid routing
+            out = np.empty((t, schema.num_moe_layers, schema.top_k), schema.id_dtype)
+        out[a:b] = moe
+    if out is None:
+        out = np.empty((0, schema.num_moe_layers, schema.top_k), schema.id_dtype)
+    rec = RoutingRecord(sample_id=sample_id, expert_ids=out)
+    rec.validate(schema)
+    return rec
 
 
-def iter_arrays(path: str) -> Iterator[tuple[str, np.ndarray]]:
-    """(sample_id, array) from an .npy, an .npz, or a folder of them."""
+def iter_npy_records(path: str, schema: RoutingSchema, *, full_layout: bool | None = None
+                     ) -> Iterator[RoutingRecord]:
+    """Records from an .npy (sample id = file stem), each ``.npy`` member of an .npz
+    (sample id = member name), or a folder of them (sorted by name), read as
+    :func:`read_npy_record` does: in checked row chunks, members never inflated whole.
+
+    Raises:
+        RecordError: unreadable input or a bad sample (named), when reached.
+    """
     if os.path.isdir(path):
         names = sorted(n for n in os.listdir(path) if n.endswith((".npy", ".npz")))
         if not names:
             raise RecordError(f"{path}: folder holds no .npy or .npz files")
         for n in names:
-            yield from iter_arrays(os.path.join(path, n))
+            yield from iter_npy_records(os.path.join(path, n), schema, full_layout=full_layout)
         return
     stem = os.path.splitext(os.path.basename(path))[0]
     try:
@@ -146,22 +228,27 @@ def iter_arrays(path: str) -> Iterator[tuple[str, np.ndarray]]:
                 for info in z.infolist():
                     if not info.filename.endswith(".npy"):
                         continue
+                    sid = info.filename[:-4]
                     with z.open(info) as f:
-                        data = io.BytesIO(f.read(info.file_size))
-                    yield info.filename[:-4], load_npy(data, info.file_size,
-                                                       f"{path}:{info.filename}")
+                        rec = read_npy_record(f, info.file_size, f"{path}:{info.filename}", sid,
+                                              schema, full_layout=full_layout)
+                    yield rec
         else:
             with open(path, "rb") as f:
-                arr = load_npy(f, os.fstat(f.fileno()).st_size, path)
-            yield stem, arr
+                rec = read_npy_record(f, os.fstat(f.fileno()).st_size, path, stem, schema,
+                                      full_layout=full_layout)
+            yield rec
     except (ValueError, OSError, zipfile.BadZipFile, EOFError) as e:
+        if isinstance(e, RecordError):
+            raise
         raise RecordError(f"{path}: not a readable .npy/.npz array file ({e})") from None
 
 
 def iter_b64(path: str, kind: str, schema: RoutingSchema, *, num_fused_shared_experts: int = 0
-             ) -> Iterator[tuple[str, np.ndarray]]:
-    """(sample_id, array [T, num_hidden_layers, top_k]) per line of a vllm-b64 / sglang-b64
-    file (sglang-b64: ``num_fused_shared_experts`` columns per row are dropped)."""
+             ) -> Iterator[RoutingRecord]:
+    """One record per payload of a vllm-b64 / sglang-b64 file (arrays
+    [T, num_hidden_layers, top_k]; sglang-b64: ``num_fused_shared_experts`` columns per row
+    are dropped)."""
     stem = os.path.splitext(os.path.basename(path))[0]
     found = False
     with open(path, "rb") as f:
@@ -174,7 +261,7 @@ def iter_b64(path: str, kind: str, schema: RoutingSchema, *, num_fused_shared_ex
             default_id = f"{stem}-{lineno}"
             for sid, b64 in _payloads(line, default_id, f"{path}:{lineno}", kind):
                 found = True
-                yield sid, _decode_b64(b64, kind, schema, sid, num_fused_shared_experts)
+                yield _decode_b64(b64, kind, schema, sid, num_fused_shared_experts)
     if not found:
         raise RecordError(f"{path}: no routing payloads (the file is empty)")
 
@@ -222,21 +309,24 @@ def _payloads(line: bytes, default_id: str, where: str,
 
 
 def _decode_b64(b64: str | bytes, kind: str, schema: RoutingSchema, sid: str,
-                num_fused_shared_experts: int = 0) -> np.ndarray:
+                num_fused_shared_experts: int = 0) -> RoutingRecord:
     if not b64.strip():
         raise RecordError(f"sample {sid!r}: routed_experts is empty")
     if kind == "sglang-b64":
         try:
             full = wire.decode_sglang_b64_int32(b64, schema.num_hidden_layers, schema.top_k,
                                                 num_fused_shared_experts=num_fused_shared_experts)
-            return wire.split_fused_shared_columns(full, schema.top_k, schema.num_experts)
+            arr = wire.split_fused_shared_columns(full, schema.top_k, schema.num_experts)
         except RecordError as e:
             raise RecordError(f"sample {sid!r}: {e}") from None
+        return to_record(sid, arr, schema, full_layout=True,
+                         id_hint=wire.sglang_id_hint(schema.num_experts, num_fused_shared_experts))
     try:
         raw = base64.b64decode(b64, validate=True)
     except (binascii.Error, ValueError) as e:
         raise RecordError(f"sample {sid!r}: routed_experts is not base64 ({e})") from None
-    return load_npy(io.BytesIO(raw), len(raw), f"sample {sid!r}: routed_experts")
+    return read_npy_record(io.BytesIO(raw), len(raw), f"sample {sid!r}: routed_experts", sid,
+                           schema, full_layout=True)
 
 
 def iter_records(kind: str, path: str, schema: RoutingSchema, *,
@@ -249,13 +339,8 @@ def iter_records(kind: str, path: str, schema: RoutingSchema, *,
         RecordError: unreadable input or a bad sample (named), when reached.
     """
     if kind not in KINDS:
-        raise ValueError(f"unknown input kind {kind!r}; known: {KINDS}")
+        raise ConfigError(f"unknown input kind {kind!r}; known: {KINDS}")
     if kind in ("npy", "vllm"):
-        for sid, arr in iter_arrays(path):
-            yield to_record(sid, arr, schema, full_layout=True if kind == "vllm" else None)
+        yield from iter_npy_records(path, schema, full_layout=True if kind == "vllm" else None)
     else:
-        hint = (wire.sglang_id_hint(schema.num_experts, num_fused_shared_experts)
-                if kind == "sglang-b64" else None)
-        for sid, arr in iter_b64(path, kind, schema,
-                                 num_fused_shared_experts=num_fused_shared_experts):
-            yield to_record(sid, arr, schema, full_layout=True, id_hint=hint)
+        yield from iter_b64(path, kind, schema, num_fused_shared_experts=num_fused_shared_experts)

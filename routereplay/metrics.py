@@ -18,7 +18,7 @@ from typing import Iterable
 
 import numpy as np
 
-from routereplay.errors import AlignmentError
+from routereplay.errors import AlignmentError, ConfigError
 
 EXTREME_THRESHOLD = math.log(2.0)
 
@@ -30,7 +30,10 @@ def logprob_metrics(delta: np.ndarray) -> dict[str, float]:
         dict with k3_kl, mean_abs_dlogp, max_abs_dlogp, extreme_token_fraction, num_tokens.
         An empty delta gives NaN metrics and num_tokens 0.
     """
-    d = np.asarray(delta, dtype=np.float64).ravel()
+    try:
+        d = np.asarray(delta, dtype=np.float64).ravel()
+    except (TypeError, ValueError):
+        raise ConfigError(f"delta must be numbers, got {str(delta)[:80]}") from None
     if d.size == 0:
         nan = float("nan")
         return {"k3_kl": nan, "mean_abs_dlogp": nan, "max_abs_dlogp": nan,
@@ -57,12 +60,17 @@ def routing_agreement(engine_ids: np.ndarray, trainer_ids: np.ndarray,
         dict with routing_agreement (as sets), routing_agreement_ordered, num_rows,
         and per_layer (list of set agreement per layer).
     Raises:
-        AlignmentError (a ValueError): the two arrays differ in shape.
+        AlignmentError (a ValueError): the arrays differ in shape or are not [N, L, K].
+        ConfigError (a ValueError): not integer arrays.
     """
-    e = np.asarray(engine_ids).astype(np.int64)
-    t = np.asarray(trainer_ids).astype(np.int64)
-    if e.shape != t.shape:
-        raise AlignmentError(f"engine ids {e.shape} and trainer ids {t.shape} differ in shape")
+    try:
+        e = np.asarray(engine_ids).astype(np.int64)
+        t = np.asarray(trainer_ids).astype(np.int64)
+    except (TypeError, ValueError):
+        raise ConfigError("engine and trainer ids must be integer arrays [N, L, K]") from None
+    if e.shape != t.shape or e.ndim != 3:
+        raise AlignmentError(f"engine ids {e.shape} and trainer ids {t.shape} differ in shape "
+                             "(or are not [N, L, K])")
     same_set = (np.sort(e, -1) == np.sort(t, -1)).all(-1)
     same_ord = (e == t).all(-1)
     m = np.ones(same_set.shape, dtype=bool) if mask is None else np.broadcast_to(

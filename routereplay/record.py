@@ -137,6 +137,14 @@ class RoutingRecord:
                     f"{n - self.prompt_len} generated tokens")
         if self.prompt_len is not None and self.prompt_len < 0:
             raise RecordError(f"sample {sid!r}: negative prompt_len {self.prompt_len}")
+        seq = self.start + self.num_tokens + 1          # tokens the rows imply
+        if self.prompt_len is not None and self.prompt_len > seq:
+            raise RecordError(f"sample {sid!r}: prompt_len {self.prompt_len} above the {seq} "
+                              f"tokens that {self.num_tokens} rows from position {self.start} "
+                              "imply")
+        if self.logprobs is not None and len(self.logprobs) > seq - (self.prompt_len or 0):
+            raise RecordError(f"sample {sid!r}: {len(self.logprobs)} log-probs, more than the "
+                              f"{seq - (self.prompt_len or 0)} generated tokens the rows imply")
         if self.token_ids is not None:
             t = np.asarray(self.token_ids)
             if t.ndim != 1 or t.dtype.kind not in "iu" or (t.size and (
@@ -148,14 +156,17 @@ class RoutingRecord:
             if lp.ndim != 1 or lp.dtype.kind != "f":
                 raise RecordError(f"sample {sid!r}: logprobs must be a 1-D float array, got "
                                   f"{lp.dtype} {lp.shape}")
+        def is_int(x: Any) -> bool:
+            return isinstance(x, (int, np.integer)) and not isinstance(x, bool)
         for span in self.weight_versions:
-            if not (isinstance(span.version, str) and 0 <= span.start <= span.end):
-                raise RecordError(f"sample {sid!r}: bad weight-version span {span}")
+            if not (isinstance(span, WeightVersionSpan) and isinstance(span.version, str)
+                    and is_int(span.start) and is_int(span.end) and 0 <= span.start <= span.end):
+                raise RecordError(f"sample {sid!r}: bad weight-version span {span!r} (expected "
+                                  "WeightVersionSpan(version: str, start <= end: int))")
         for name in ("recomputed", "prefix_cached"):
             for span in getattr(self, name):
-                if not (len(span) == 2 and all(isinstance(x, (int, np.integer))
-                                               and not isinstance(x, bool) for x in span)
-                        and 0 <= span[0] <= span[1]):
+                if not (isinstance(span, (tuple, list)) and len(span) == 2
+                        and all(is_int(x) for x in span) and 0 <= span[0] <= span[1]):
                     raise RecordError(f"sample {sid!r}: bad {name} span {span!r}")
 
     def validate_ids(self, schema: RoutingSchema, layer_ids: Sequence[int] | None = None) -> None:
@@ -178,22 +189,7 @@ class RoutingRecord:
                 f"[T, L_moe={len(layer_ids)}, top_k={schema.top_k}]")
         if ids.dtype != schema.id_dtype:
             raise RecordError(f"sample {sid!r}: ids dtype {ids.dtype} != schema {schema.id_dtype}")
-        bad = ids >= schema.num_experts
-        if bad.any():
-            t, l, k = (int(x) for x in np.argwhere(bad)[0])
-            raise RecordError(
-                f"sample {sid!r}, token {self.start + t}, layer {layer_ids[l]}: "
-                f"expert id {int(ids[t, l, k])} >= num_experts {schema.num_experts}")
-        if schema.top_k > 1 and ids.size:
-            srt = np.sort(ids, axis=-1)
-            dup = (srt[..., 1:] == srt[..., :-1]).any(-1)
-            if dup.any():
-                t, l = (int(x) for x in np.argwhere(dup)[0])
-                hint = (" (all-zero row: the capturer was never bound, or a dense layer "
-                        "was read as MoE)" if not ids[t, l].any() else "")
-                raise RecordError(
-                    f"sample {sid!r}, token {self.start + t}, layer {layer_ids[l]}: "
-                    f"duplicate expert ids {ids[t, l].tolist()} in one top-k row{hint}")
+        first_bad_row(ids, schema, self.sample_id, start=self.start, layer_ids=layer_ids)
 
     def meta(self) -> dict[str, Any]:
         """JSON-able metadata (everything but the arrays)."""
@@ -241,8 +237,87 @@ def eplb_id_hint(value: int, dtype: np.dtype, num_experts: int) -> str:
     return ""
 
 
+# NOTE: checks run over row chunks of about this many ids, so their temporaries (masks,
+# sorted copies) stay a few MiB however large the array, and the first bad id is found
+# without materialising every bad position (np.argwhere over a 1 GiB mask took 1 GB).
+CHECK_CHUNK_IDS = 1 << 20
+
+
+def row_chunks(num_rows: int, ids_per_row: int) -> list[tuple[int, int]]:
+    """Row ranges ``[(a, b), ...]`` covering ``num_rows`` rows, about
+    :data:`CHECK_CHUNK_IDS` ids each."""
+    step = max(1, CHECK_CHUNK_IDS // max(1, ids_per_row))
+    return [(a, min(a + step, num_rows)) for a in range(0, num_rows, step)]
+
+
+def first_bad_row(ids: np.ndarray, schema: RoutingSchema, sample_id: str, *, start: int = 0,
+                  layer_ids: Sequence[int] | None = None, check_range: bool = True,
+                  check_duplicates: bool = True,
+                  id_hint: Callable[[int], str] | None = None) -> None:
+    """Raise on the first id out of ``[0, num_experts)`` or repeated within its row.
+
+    Args:
+        ids: integer [T, L, top_k] (any integer dtype; checked before any narrowing).
+        start: token position of row 0; ``layer_ids``: decoder layer of each of the L
+            columns (default: the schema's MoE layers). Both only name the bad row.
+        check_range: False when the dtype and the caller already bound the range.
+        check_duplicates: False to check the range only.
+        id_hint: value -> text appended to an out-of-range error (default
+            :func:`eplb_id_hint`).
+    Raises:
+        RecordError: naming the sample, token position and decoder layer (and a hint for
+            all-zero rows, the mark of an unbound capturer or a dense layer read as MoE,
+            and for ids >= num_experts, the mark of physical EPLB replica slots).
+    Work: O(ids), temporaries bounded by :data:`CHECK_CHUNK_IDS` ids.
+    """
+    layer_ids = list(schema.moe_layer_ids if layer_ids is None else layer_ids)
+    e = schema.num_experts
+    t, nl, k = ids.shape
+    signed = ids.dtype.kind == "i"
+    check_range = check_range and (signed or np.iinfo(ids.dtype).max >= e)
+    for a, b in row_chunks(t, nl * k):
+        c = ids[a:b]
+        if check_range and c.size and (int(c.max()) >= e or (signed and int(c.min()) < 0)):
+            bad = (c >= e) | (c < 0) if signed else c >= e
+            r, lyr, col = np.unravel_index(int(np.argmax(bad)), bad.shape)
+            v = int(c[r, lyr, col])
+            hint = (id_hint or (lambda x: eplb_id_hint(x, ids.dtype, e)))(v)
+            raise RecordError(f"sample {sample_id!r}, token {start + a + r}, layer "
+                              f"{layer_ids[lyr]}: expert id {v} outside [0, {e}){hint}")
+        if check_duplicates and k > 1 and c.size:
+            srt = np.sort(c, axis=-1)
+            dup = (srt[..., 1:] == srt[..., :-1]).any(-1)
+            if dup.any():
+                r, lyr = np.unravel_index(int(np.argmax(dup)), dup.shape)
+                hint = (" (all-zero row: the capturer was never bound, or a dense layer "
+                        "was read as MoE)" if not c[r, lyr].any() else "")
+                raise RecordError(
+                    f"sample {sample_id!r}, token {start + a + r}, layer {layer_ids[lyr]}: "
+                    f"duplicate expert ids {c[r, lyr].tolist()} in one top-k row{hint}")
+
+
+def check_id_dtype(dtype: np.dtype, schema: RoutingSchema, sample_id: str) -> None:
+    """Refuse an integer dtype that cannot hold every expert id ``0 .. num_experts - 1``.
+
+    NOTE: such an array was already narrowed by whoever produced it (an 8-bit capture of a
+    512-expert model holds ids modulo 256): its ids look valid and are wrong.
+
+    Raises:
+        RecordError: naming the sample, the dtype and the schema's expert count.
+    """
+    dtype = np.dtype(dtype)
+    if dtype.kind not in "iu":
+        raise RecordError(f"sample {sample_id!r}: routing ids must be integers, got {dtype}")
+    if np.iinfo(dtype).max < schema.num_experts - 1:
+        raise RecordError(
+            f"sample {sample_id!r}: routing array of dtype {dtype} cannot hold expert ids up to "
+            f"{schema.num_experts - 1} (num_experts={schema.num_experts}): the ids were "
+            "narrowed (wrapped) before they got here; capture them as "
+            f"{schema.id_dtype} or wider")
+
+
 def checked_moe_ids(arr: np.ndarray, schema: RoutingSchema, sample_id: str, *, start: int = 0,
-                    full_layout: bool = True,
+                    full_layout: bool = True, check_duplicates: bool = False,
                     id_hint: Callable[[int], str] | None = None) -> np.ndarray:
     """An engine's integer ids -> the record's ids, range-checked before narrowing.
 
@@ -250,18 +325,22 @@ def checked_moe_ids(arr: np.ndarray, schema: RoutingSchema, sample_id: str, *, s
         arr: int [T, num_hidden_layers, top_k] (``full_layout``: vLLM/SGLang layout, dense
             layers zero-filled) or int [T, L_moe, top_k].
         start: token position of row 0 (for error messages).
+        check_duplicates: also refuse a row repeating an expert (otherwise left to
+            :meth:`RoutingRecord.validate`).
         id_hint: value -> text appended to the out-of-range error (default
             :func:`eplb_id_hint`: the EPLB replica-slot hint for ids >= num_experts, the
             wrapped-sentinel hint for the largest unsigned value).
     Returns:
         ids of ``schema.id_dtype`` [T, L_moe, top_k], a copy.
     Raises:
-        RecordError: wrong shape; an id outside [0, num_experts); or, in the full layout,
-            non-zero routing on a layer the schema calls dense (the engine routed it, so
-            the schema's MoE placement does not match the model: never dropped silently);
-            naming sample, token position and decoder layer. NOTE: the range is checked
-            before the cast to the id dtype, which would wrap 258 -> 2 and a -1 sentinel
-            -> 255.
+        RecordError: wrong shape; a dtype that cannot hold num_experts - 1 (the ids were
+            wrapped before); in the full layout, non-zero routing on a layer the schema
+            calls dense (the engine routed it, so the schema's MoE placement does not match
+            the model: never dropped silently); an id outside [0, num_experts) or repeated
+            in its row; naming sample, token position and decoder layer. NOTE: the range is
+            checked before the cast to the id dtype, which would wrap 258 -> 2 and a -1
+            sentinel -> 255.
+    Work: O(ids); memory: the output plus chunk temporaries (:data:`CHECK_CHUNK_IDS`).
     """
     want = schema.num_hidden_layers if full_layout else schema.num_moe_layers
     if not isinstance(arr, np.ndarray) or arr.ndim != 3 or arr.dtype.kind not in "iu" \
@@ -270,27 +349,45 @@ def checked_moe_ids(arr: np.ndarray, schema: RoutingSchema, sample_id: str, *, s
             f"sample {sample_id!r}: routing array has shape {getattr(arr, 'shape', None)} "
             f"{getattr(arr, 'dtype', type(arr))}, expected integer [T, {want} "
             f"({'num_hidden_layers' if full_layout else 'MoE layers'}), top_k={schema.top_k}]")
+    check_id_dtype(arr.dtype, schema, sample_id)
     layer_ids = list(schema.moe_layer_ids)
-    if full_layout and schema.dense_layer_ids():
-        dense = list(schema.dense_layer_ids())
-        routed = arr[:, dense].any(-1)                           # [T, L_dense]
+    out = np.empty((arr.shape[0], schema.num_moe_layers, schema.top_k), schema.id_dtype)
+    for a, b in row_chunks(arr.shape[0], want * schema.top_k):
+        out[a:b] = moe_rows(arr[a:b], schema, sample_id, start=start + a,
+                            full_layout=full_layout, check_duplicates=check_duplicates,
+                            id_hint=id_hint)
+    return out
+
+
+def moe_rows(chunk: np.ndarray, schema: RoutingSchema, sample_id: str, *, start: int = 0,
+             full_layout: bool = True, check_duplicates: bool = False,
+             id_hint: Callable[[int], str] | None = None) -> np.ndarray:
+    """The MoE-layer ids of one row chunk of an engine array, checked.
+
+    Args:
+        chunk: int [n, num_hidden_layers, top_k] (``full_layout``) or [n, L_moe, top_k],
+            rows ``start .. start + n - 1``.
+    Returns:
+        int [n, L_moe, top_k] of ``chunk``'s dtype (a view or a copy).
+    Raises:
+        RecordError: see :func:`checked_moe_ids` (dense-layer routing, range, duplicates).
+    """
+    layer_ids = list(schema.moe_layer_ids)
+    moe = chunk[:, layer_ids] if full_layout else chunk
+    first_bad_row(moe, schema, sample_id, start=start, layer_ids=layer_ids,
+                  check_duplicates=check_duplicates, id_hint=id_hint)
+    # NOTE: after the MoE layers' own checks, so an array of sentinels is named as such
+    dense = list(schema.dense_layer_ids()) if full_layout else []
+    if dense:
+        routed = chunk[:, dense].any(-1)                         # [n, L_dense]
         if routed.any():
             t, l = divmod(int(np.argmax(routed.reshape(-1))), len(dense))
             raise RecordError(
                 f"sample {sample_id!r}, token {start + t}, layer {dense[l]}: the engine routed "
-                f"this token to experts {arr[t, dense[l]].tolist()} on a layer the schema calls "
-                f"dense (MoE layers {_layer_ranges(layer_ids)}): the routing schema does not "
-                "match the model's MoE layer placement")
-    moe = arr[:, layer_ids] if full_layout else arr
-    bad = (moe < 0) | (moe >= schema.num_experts)
-    if bad.any():
-        t, l, k = np.unravel_index(int(np.argmax(bad.reshape(-1))), bad.shape)
-        v = int(moe[t, l, k])
-        hint = (id_hint or (lambda x: eplb_id_hint(x, arr.dtype, schema.num_experts)))(v)
-        raise RecordError(f"sample {sample_id!r}, token {start + int(t)}, layer "
-                          f"{layer_ids[int(l)]}: expert id {v} outside "
-                          f"[0, {schema.num_experts}){hint}")
-    return np.ascontiguousarray(moe.astype(schema.id_dtype))
+                f"this token to experts {chunk[t, dense[l]].tolist()} on a layer the schema "
+                f"calls dense (MoE layers {_layer_ranges(layer_ids)}): the routing schema does "
+                "not match the model's MoE layer placement")
+    return moe
 
 
 def _layer_ranges(ids: Sequence[int]) -> str:

@@ -5,6 +5,8 @@ token positions". Implemented by:
 
 - :class:`routereplay.sidecar.SidecarReader`: decodes lazily from a sidecar stream, only
   the layer-group sections asked for, each section once per call;
+- :class:`routereplay.sidecar.MultiSidecarReader`: several streams (a folder, a glob, a
+  list) read as one, sample ids unique across them;
 - :class:`InMemorySource`: records already in memory (``{sample_id: RoutingRecord}``), e.g.
   routing an RL framework carries in its own data plane; :meth:`InMemorySource.from_batch`
   builds one from a batch tensor ``routed_experts [b, s, L, K]`` and its attention mask
@@ -156,10 +158,44 @@ def _clip(start: int, num_tokens: int, lo: int, hi: int) -> tuple[int, int]:
     return a, min(max(int(hi), a), start + num_tokens)
 
 
+def check_fetch_args(moe_layers: Sequence[int], runs: Sequence[tuple[int, int]],
+                     num_moe_layers: int) -> tuple[list[int], list[tuple[int, int]]]:
+    """``moe_layers`` and ``runs`` of a :meth:`RoutingSource.fetch` call as int lists.
+
+    Raises:
+        ConfigError: a layer position that is not an int in ``[0, num_moe_layers)`` or is
+            repeated; a run that is not a pair of ints.
+    """
+    def as_int(x: object) -> int:
+        if isinstance(x, bool) or not isinstance(x, (int, np.integer)):
+            raise ConfigError(f"expected an integer, got {x!r}")
+        return int(x)
+    try:
+        layers = [as_int(x) for x in moe_layers]
+        pairs = []
+        for run in runs:
+            if len(run) != 2:
+                raise ConfigError(f"a token run is a pair (lo, hi), got {run!r}")
+            pairs.append((as_int(run[0]), as_int(run[1])))
+    except TypeError:
+        raise ConfigError(f"moe_layers and runs must be sequences, got {moe_layers!r}, "
+                          f"{runs!r}") from None
+    for lyr in layers:
+        if not 0 <= lyr < num_moe_layers:
+            raise ConfigError(f"MoE layer position {lyr} out of range [0, {num_moe_layers})")
+    if len(set(layers)) != len(layers):
+        raise ConfigError(f"moe_layers {layers} repeat a MoE layer position")
+    return layers, pairs
+
+
 def rows_of(record: RoutingRecord, moe_layers: Sequence[int],
             runs: Sequence[tuple[int, int]]) -> list[Rows]:
-    """:meth:`RoutingSource.fetch` on one in-memory record (views where possible)."""
-    layers = list(moe_layers)
+    """:meth:`RoutingSource.fetch` on one in-memory record (views where possible).
+
+    Raises:
+        ConfigError: see :func:`check_fetch_args`.
+    """
+    layers, runs = check_fetch_args(moe_layers, runs, record.expert_ids.shape[1])
     out = []
     for lo, hi in runs:
         a, b = _clip(record.start, record.num_tokens, lo, hi)
@@ -185,8 +221,13 @@ class InMemorySource:
     def __init__(self, records: Mapping[str, RoutingRecord] | Iterable[RoutingRecord],
                  schema: RoutingSchema):
         self.schema = schema
-        items = records.items() if isinstance(records, Mapping) else \
-            ((r.sample_id, r) for r in records)
+        if isinstance(records, Mapping):
+            items = list(records.items())
+        elif isinstance(records, Iterable) and not isinstance(records, (str, bytes)):
+            items = [(getattr(r, "sample_id", None), r) for r in records]
+        else:
+            raise ConfigError(f"records must be a mapping sample id -> RoutingRecord or an "
+                              f"iterable of records, got {type(records).__name__}")
         self._records: dict[str, RoutingRecord] = {}
         for key, rec in items:
             if not isinstance(rec, RoutingRecord):
@@ -496,7 +537,7 @@ class TokenRowSource:
             raise UnknownSampleError(f"sample {sample_id!r}: no routing rows in the source",
                                      sample_id)
         ids, state = self._ids[sample_id], self._state[sample_id]
-        layers = [int(x) for x in moe_layers]
+        layers, runs = check_fetch_args(moe_layers, runs, self.schema.num_moe_layers)
         lids = [self.schema.moe_layer_ids[i] for i in layers]
         p_end = ids.shape[0]
         out = []
@@ -550,8 +591,9 @@ class NoRouting:
     def fetch(self, sample_id: str, moe_layers: Sequence[int],
               runs: Sequence[tuple[int, int]]) -> list[Rows]:
         """See :meth:`RoutingSource.fetch`: n = 0 rows for every run."""
-        empty = np.zeros((0, len(moe_layers), self.schema.top_k), self.schema.id_dtype)
-        return [(empty, int(lo)) for lo, _ in runs]
+        layers, runs = check_fetch_args(moe_layers, runs, self.schema.num_moe_layers)
+        empty = np.zeros((0, len(layers), self.schema.top_k), self.schema.id_dtype)
+        return [(empty, lo) for lo, _ in runs]
 
     def token_ids(self, sample_id: str) -> None:
         """No token ids (nothing is replayed, so nothing is compared)."""
@@ -582,4 +624,4 @@ def as_source(source: object, schema: RoutingSchema) -> RoutingSource:
 
 
 __all__ = ["RoutingSource", "Rows", "InMemorySource", "TokenRowSource", "NoRouting",
-           "as_source", "rows_of", "checked_ids", "source_token_ids"]
+           "as_source", "rows_of", "checked_ids", "source_token_ids", "check_fetch_args"]

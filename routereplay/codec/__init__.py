@@ -28,7 +28,7 @@ import numpy as np
 
 from routereplay.codec import ctx_ans, ctx_zstd, layer_major, xl_zstd
 from routereplay.codec.layer_major import bounded_zstd_decompress
-from routereplay.errors import SidecarError
+from routereplay.errors import ConfigError, RecordError, SidecarError
 
 DEFAULT_CODEC = "ctx-zstd"
 CODECS = ("ctx-zstd", "xl-zstd", "ctx-ans", "ctx-ans-sorted", "zstd-lm", "raw-lm")
@@ -45,22 +45,28 @@ def encode(ids: np.ndarray, codec: str = DEFAULT_CODEC, num_experts: int | None 
     codecs.
 
     Raises:
-        ValueError: unknown codec, wrong dtype, or ids the codec cannot represent (out of
-            range, a repeated expert in a row, unsorted rows for ``ctx-ans-sorted``).
+        ConfigError (a ValueError): unknown codec, or no num_experts for a ``ctx-*`` codec.
+        RecordError (a ValueError): not a uint8/uint16 array [T, L_g, top_k], or ids the
+            codec cannot represent (out of range, a repeated expert in a row, unsorted rows
+            for ``ctx-ans-sorted``).
     """
-    if ids.dtype not in (np.uint8, np.uint16):
-        raise ValueError(f"ids must be uint8 or uint16, got {ids.dtype}")
+    if not isinstance(ids, np.ndarray) or ids.ndim != 3 or ids.dtype not in (np.uint8, np.uint16):
+        raise RecordError(f"ids must be a uint8 or uint16 array [T, L_g, top_k], got "
+                          f"{getattr(ids, 'dtype', type(ids).__name__)} "
+                          f"{getattr(ids, 'shape', '')}")
+    if codec not in CODECS:
+        raise ConfigError(f"unknown codec {codec!r}; known: {CODECS}")
     if codec in ("raw-lm", "zstd-lm"):
         return layer_major.encode(ids, codec)
     if codec in _MODEL_CODECS and num_experts is None:
-        raise ValueError(f"codec {codec!r} needs num_experts")
+        raise ConfigError(f"codec {codec!r} needs num_experts")
     if codec == "ctx-zstd":
         return ctx_zstd.encode(ids, num_experts)
     if codec == "xl-zstd":
         return xl_zstd.encode(ids, num_experts)
     if codec in ("ctx-ans", "ctx-ans-sorted"):
         return ctx_ans.encode(ids, num_experts, sorted_rows=codec == "ctx-ans-sorted")
-    raise ValueError(f"unknown codec {codec!r}; known: {CODECS}")
+    raise ConfigError(f"unknown codec {codec!r}; known: {CODECS}")
 
 
 def decode(data: bytes, codec: str, shape: tuple[int, int, int], dtype: np.dtype,

@@ -32,7 +32,7 @@ import constriction
 import numpy as np
 
 from routereplay.codec import ans
-from routereplay.errors import SidecarError
+from routereplay.errors import RecordError, SidecarError
 
 FIRST_BLOCK = 16          # rows
 MAX_BLOCK = 4096          # rows
@@ -92,15 +92,15 @@ def encode(ids: np.ndarray, num_experts: int, sorted_rows: bool = False) -> byte
     """ids: uint8|uint16 [T, L_g, top_k] -> ``ctx-ans`` section bytes (u32 words).
 
     Raises:
-        ValueError: an id out of [0, num_experts), a row with a repeated expert, or (sorted
+        RecordError (a ValueError): an id out of [0, num_experts), a row with a repeated expert, or (sorted
             mode) a row not in strictly ascending order.
     """
     t, lg, k = ids.shape
     x = np.ascontiguousarray(ids.transpose(1, 0, 2)).astype(np.int32)      # [L_g, T, K]
     if x.size and int(x.max()) >= num_experts:
-        raise ValueError(f"expert id out of range [0, {num_experts})")
+        raise RecordError(f"expert id out of range [0, {num_experts})")
     if sorted_rows and (x[..., 1:] <= x[..., :-1]).any():
-        raise ValueError("sorted mode needs rows in strictly ascending expert order")
+        raise RecordError("sorted mode needs rows in strictly ascending expert order")
     rep = np.zeros((lg, t), dtype=bool)
     rep[:, 1:] = (x[:, 1:] == x[:, :-1]).all(-1)
     alphabet = _alphabet(num_experts, k, sorted_rows)
@@ -132,7 +132,7 @@ def _to_symbols(a: np.ndarray, sorted_rows: bool) -> np.ndarray:
     """Popularity ranks int32 [K, N] (column-major) -> coded symbols int32 [K, N].
 
     Raises:
-        ValueError: a row (column of ``a``) holds the same rank twice.
+        RecordError (a ValueError): a row (column of ``a``) holds the same rank twice.
     """
     if sorted_rows:
         a = np.sort(a, axis=0)
@@ -146,7 +146,7 @@ def _to_symbols(a: np.ndarray, sorted_rows: bool) -> np.ndarray:
             sym[j] -= a[m] < a[j]
             dup |= a[m] == a[j]
     if dup.any():
-        raise ValueError("a routing row repeats an expert")
+        raise RecordError("a routing row repeats an expert")
     return sym
 
 
@@ -224,6 +224,19 @@ def decode(data: bytes, shape: tuple[int, int, int], dtype: np.dtype, num_expert
             block[gi, ti] = prev[gi]
         gi, ti = np.nonzero(~fresh_mask & (src >= 0))
         block[gi, ti] = block[gi, src[gi, ti]]
+        # NOTE: an encoder flags every row equal to its predecessor (FORMAT.md), so a fresh
+        # row repeating it is corrupt. This also stops a decoder that ran out of data: with
+        # no words left and a small state, rANS keeps decoding symbol 0 forever (state
+        # unchanged), i.e. fresh rows of identical ranks, at full CPU cost per row.
+        before = np.concatenate([block[:, :1] if prev is None else prev[:, None],
+                                 block[:, :-1]], axis=1)
+        same = fresh_mask & (block == before).all(-1)
+        if s == 0:
+            same[:, 0] = False
+        if same.any():
+            g0, t0 = np.unravel_index(int(np.argmax(same)), same.shape)
+            raise SidecarError(f"ANS section: row {s + t0} of layer {g0} is coded fresh but "
+                               "repeats the previous row (corrupt, or decoding past its data)")
         prev = block[:, -1].copy()
         parts.append(block.astype(dtype))       # NOTE: narrow now: peak memory ~3x the output
         st.update(flags, layer, fresh, sym)

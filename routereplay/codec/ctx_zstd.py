@@ -33,7 +33,7 @@ import numpy as np
 import zstandard
 
 from routereplay.codec.layer_major import bounded_zstd_decompress
-from routereplay.errors import SidecarError
+from routereplay.errors import RecordError, SidecarError
 
 LEVEL = 9                       # zstd level (E <= 256)
 WIDE_LEVEL = 3                  # zstd level for E > 256: 9 encodes at 20-40 MB/s there
@@ -143,16 +143,16 @@ def encode(ids: np.ndarray, num_experts: int, level: int | None = None) -> bytes
     Rows are stored as given (any column order; a row may even repeat an expert).
 
     Raises:
-        ValueError: an id out of [0, num_experts), or ids not uint8 (E <= 256) / uint16
+        RecordError (a ValueError): an id out of [0, num_experts), or ids not uint8 (E <= 256) / uint16
             (E > 256), the schema's id_dtype.
     """
     t, g, k = ids.shape
     e = num_experts
     if ids.dtype != (np.uint8 if e <= 256 else np.uint16):
-        raise ValueError(f"ctx-zstd codes {e} experts from {'uint8' if e <= 256 else 'uint16'} "
-                         f"ids, got {ids.dtype}")
+        raise RecordError(f"ctx-zstd codes {e} experts from {'uint8' if e <= 256 else 'uint16'} "
+                          f"ids, got {ids.dtype}")
     if ids.size and int(ids.max()) >= e:
-        raise ValueError(f"expert id out of range [0, {e})")
+        raise RecordError(f"expert id out of range [0, {e})")
     rows = _row_view(ids).T                                   # [G, T] one scalar per row
     fresh = np.ones((g, t), dtype=bool)
     fresh[:, 1:] = rows[:, 1:] != rows[:, :-1]

@@ -9,7 +9,10 @@ The byte layout is specified in docs/FORMAT.md; the modules follow its headings:
 - :mod:`~routereplay.sidecar.writer`: :class:`SidecarWriter` (background thread, bounded
   queue, local files, fsspec URLs, file objects, in-memory bytes);
 - :mod:`~routereplay.sidecar.reader`: :class:`SidecarReader` (index or scan, torn-tail
-  recovery, partial decode by sample, token range and MoE layers; a RoutingSource).
+  recovery, partial decode by sample, token range and MoE layers, incremental scan of live
+  streams; a RoutingSource);
+- :mod:`~routereplay.sidecar.multi`: :class:`MultiSidecarReader` (a folder, glob or list
+  of streams read as one) and :func:`open_sidecar`.
 
 Metadata is JSON, validated on read. Nothing read from a stream is ever unpickled or
 evaluated.
@@ -20,12 +23,13 @@ from routereplay.sidecar.layout import (COLUMN_ORDERS, DEFAULT_LAYER_GROUP, FORM
                                         MAX_TOKENS, READABLE_VERSIONS, TRAILER_MAGIC, crc32,
                                         encode_frame, encode_header)
 from routereplay.sidecar.payload import RecordMeta, Section, encode_record_payload
+from routereplay.sidecar.multi import MultiSidecarReader, open_sidecar
 from routereplay.sidecar.reader import FrameInfo, SidecarReader
 from routereplay.sidecar.writer import SidecarWriter, write_records, writer_codec
 
 _crc = crc32          # NOTE: pre-0.2 private name, still used by external test helpers
 
-__all__ = ["SidecarWriter", "SidecarReader", "FrameInfo", "RecordMeta", "Section",
+__all__ = ["SidecarWriter", "SidecarReader", "MultiSidecarReader", "open_sidecar", "FrameInfo", "RecordMeta", "Section",
            "write_records", "writer_codec", "encode_header", "encode_frame",
            "encode_record_payload", "crc32", "MAGIC", "FORMAT_VERSION", "READABLE_VERSIONS",
            "COLUMN_ORDERS", "FRAME_MAGIC", "TRAILER_MAGIC", "KIND_RECORD", "KIND_INDEX",

@@ -34,10 +34,11 @@ _FRAME_HDR = struct.Struct("<4sB3xQI")         # magic, kind, payload_len, paylo
 FRAME_HEADER_SIZE = _FRAME_HDR.size + 4        # + crc32 of the 20 bytes above = 24
 _TRAILER = struct.Struct("<Q8s")
 TRAILER_SIZE = _TRAILER.size                   # 16 bytes
-MAX_JSON_BYTES = 64 << 20                      # header / meta JSON bound (bytes)
+# NOTE: reader limits (docs/FORMAT.md "Reader limits"); writers refuse what readers refuse.
+MAX_JSON_BYTES = 1 << 20                       # header / meta JSON bound (bytes)
 MAX_FRAME_BYTES = 1 << 32                      # payload bound (bytes), 4 GiB
 DEFAULT_LAYER_GROUP = 4                        # MoE layers per routing section (partial-read unit)
-MAX_TOKENS = 1 << 24                           # routing rows per record (format limit)
+MAX_TOKENS = 1 << 24                           # routing rows, and start + rows, per record
 
 
 def crc32(b: bytes | memoryview) -> int:
@@ -96,7 +97,8 @@ def header_json_length(fixed: bytes, stream_size: int) -> tuple[int, int]:
         raise SidecarError(f"unsupported sidecar format version {version} "
                            f"(this reader supports {READABLE_VERSIONS})", offset=0)
     if jlen > min(MAX_JSON_BYTES, stream_size):
-        raise SidecarError(f"header length {jlen} exceeds the stream", offset=0)
+        raise SidecarError(f"header JSON length {jlen} exceeds the stream ({stream_size} bytes) "
+                           f"or the reader's limit of {MAX_JSON_BYTES} bytes", offset=0)
     return version, jlen
 
 

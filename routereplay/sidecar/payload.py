@@ -18,12 +18,49 @@ import numpy as np
 import zstandard
 
 from routereplay import codec as _codec
-from routereplay.errors import SidecarError
+from routereplay.errors import RecordError, SidecarError
 from routereplay.record import RoutingRecord, WeightVersionSpan
 from routereplay.schema import RoutingSchema
 from routereplay.sidecar.layout import DEFAULT_LAYER_GROUP, MAX_JSON_BYTES, MAX_TOKENS
 
 ARRAY_SECTIONS = {"token_ids": np.dtype("<i4"), "logprobs": np.dtype("<f4")}
+
+# NOTE: reader limit (docs/FORMAT.md "Reader limits"): a section of a known codec may
+# decode to at most EXPANSION[codec] x its stored bytes + EXPANSION_SLACK bytes, so that
+# the work and memory a record costs are bounded by its size on disk (a 359-byte section
+# claiming 2^24 rows, or a zstd bomb, is refused before anything is decompressed). Real
+# routing expands 1.4-5x (ctx-zstd up to ~15x with long repeat runs); the writer stores a
+# section that would exceed the limit with the next codec that fits (FALLBACK), so it
+# never writes what readers refuse. ctx-ans gets the lowest factor: it decodes at 5-90 MB/s
+# of ids, ctx-zstd at 60-2000 MB/s.
+EXPANSION = {"ctx-ans": 16, "ctx-ans-sorted": 16, "ctx-zstd": 64, "zstd-lm": 64, "raw-lm": 1,
+             "zstd": 64, "raw": 1}
+EXPANSION_SLACK = 64 << 10             # bytes a section may always decode to
+FALLBACK = ("ctx-zstd", "raw-lm")      # routing codecs a writer falls back to, in order
+
+
+def largest_record_bytes(schema: RoutingSchema, stream_bytes: int) -> int:
+    """Decoded bytes (ids, token ids, log-probs) of the largest record that the reader
+    limits let a stream of ``stream_bytes`` bytes hold: the bound that a reader's work and
+    memory on any input are measured against (docs/FORMAT.md "Reader limits").
+
+    min(format limit, expansion limit): the format allows ``MAX_TOKENS`` rows of
+    ``L_moe x top_k`` ids plus ``MAX_TOKENS + 1`` token ids and log-probs; the expansion
+    limit allows ``max(EXPANSION) x`` the stored bytes plus ``EXPANSION_SLACK`` for each of
+    the at most ``L_moe + 2`` sections.
+    """
+    fmt = MAX_TOKENS * schema.num_moe_layers * schema.top_k * schema.id_dtype.itemsize \
+        + 8 * (MAX_TOKENS + 1)
+    exp = max(EXPANSION.values()) * stream_bytes + (schema.num_moe_layers + 2) * EXPANSION_SLACK
+    return min(fmt, exp)
+
+
+def section_fits(codec: str, decoded: int, stored: int) -> bool:
+    """Whether a section of ``stored`` bytes declaring ``decoded`` bytes is within the
+    reader's expansion limit (:data:`EXPANSION`); True for codecs without a limit here
+    (a reader refuses those by name when asked to decode them)."""
+    r = EXPANSION.get(codec)
+    return r is None or decoded <= r * stored + EXPANSION_SLACK
 
 # Meta keys a version-2 writer leaves out when they hold their default.
 META_DEFAULTS: dict[str, Any] = {"start": 0, "prompt_len": None, "weight_versions": [],
@@ -82,18 +119,31 @@ def encode_record_payload(record: RoutingRecord, schema: RoutingSchema,
     Meta keys equal to their default are left out; sections are ``[name, codec, length,
     a, b]`` arrays laid back to back in list order. ``column_order="sorted"`` stores each
     row in ascending expert order. The record must be valid (``RoutingRecord.validate``).
+    A section that would expand beyond the reader's limit (:func:`section_fits`) is stored
+    with the next codec of :data:`FALLBACK` that fits (``raw-lm`` always does).
+
+    Raises:
+        RecordError: the meta JSON exceeds the reader's limit (``MAX_JSON_BYTES``).
     """
     sections: list[list[Any]] = []
     blobs: list[bytes] = []
     ids = np.sort(record.expert_ids, axis=-1) if column_order == "sorted" else record.expert_ids
     for l0 in range(0, schema.num_moe_layers, layer_group):
         l1 = min(l0 + layer_group, schema.num_moe_layers)
-        blobs.append(_codec.encode(ids[:, l0:l1], codec, schema.num_experts))
-        sections.append(["routing", codec, len(blobs[-1]), l0, l1])
+        part = ids[:, l0:l1]
+        for c in (codec,) + tuple(f for f in FALLBACK if f != codec):
+            blob = _codec.encode(part, c, schema.num_experts)
+            if section_fits(c, part.nbytes, len(blob)):
+                break
+        blobs.append(blob)
+        sections.append(["routing", c, len(blobs[-1]), l0, l1])
     if record.token_ids is not None:
-        tok = np.ascontiguousarray(record.token_ids, dtype="<i4")
-        blobs.append(zstandard.ZstdCompressor(level=3).compress(tok.tobytes()))
-        sections.append(["token_ids", "zstd", len(blobs[-1]), int(tok.shape[0])])
+        tok = np.ascontiguousarray(record.token_ids, dtype="<i4").tobytes()
+        blob, c = zstandard.ZstdCompressor(level=3).compress(tok), "zstd"
+        if not section_fits(c, len(tok), len(blob)):
+            blob, c = tok, "raw"
+        blobs.append(blob)
+        sections.append(["token_ids", c, len(blobs[-1]), len(tok) // 4])
     if record.logprobs is not None:
         lp = np.ascontiguousarray(record.logprobs, dtype="<f4")
         blobs.append(lp.tobytes())
@@ -101,6 +151,9 @@ def encode_record_payload(record: RoutingRecord, schema: RoutingSchema,
     meta = {k: v for k, v in record.meta().items() if META_DEFAULTS.get(k, ...) != v}
     meta["sections"] = sections
     js = json.dumps(meta, sort_keys=True, separators=(",", ":")).encode()
+    if len(js) > MAX_JSON_BYTES:
+        raise RecordError(f"sample {str(record.sample_id)[:80]!r}: record meta of {len(js)} bytes "
+                          f"exceeds the reader's limit of {MAX_JSON_BYTES} bytes")
     return struct.pack("<I", len(js)) + js + b"".join(blobs)
 
 
@@ -122,8 +175,9 @@ def decode_record_payload(payload: bytes | memoryview, schema: RoutingSchema, ve
     if len(payload) < 4:
         raise SidecarError("record payload shorter than its meta length", offset=offset)
     (mlen,) = struct.unpack("<I", payload[:4])
-    if mlen > len(payload) - 4:
-        raise SidecarError(f"meta length {mlen} exceeds the payload", offset=offset)
+    if mlen > min(len(payload) - 4, MAX_JSON_BYTES):
+        raise SidecarError(f"meta length {mlen} exceeds the payload ({len(payload)} bytes) or "
+                           f"the reader's limit of {MAX_JSON_BYTES} bytes", offset=offset)
     try:
         raw = json.loads(bytes(payload[4:4 + mlen]))
     except (ValueError, RecursionError) as e:
@@ -204,12 +258,21 @@ def _validate(meta: dict[str, Any], schema: RoutingSchema, body_len: int) -> Rec
                     and all(is_int(x) for x in span) and 0 <= span[0] <= span[1]):
                 raise MetaError(f"bad {key} span {span!r}")
         flags[key] = tuple((a, b) for a, b in meta[key])
-    covered = []
+    covered: list[int] = []
+    arrays: dict[str, int] = {}
+    too_big = ""
     for sec in meta["sections"]:
         if not (0 <= sec.offset and 0 <= sec.length and sec.offset + sec.length <= body_len):
             raise MetaError(f"section {sec.name!r} lies outside the payload")
         if not all(is_int(x) and x >= 0 for x in sec.shape):
             raise MetaError(f"section {sec.name!r} has a bad shape")
+        itemsize = (schema.id_dtype.itemsize if sec.name == "routing"
+                    else ARRAY_SECTIONS[sec.name].itemsize if sec.name in ARRAY_SECTIONS else 0)
+        decoded = itemsize * int(np.prod(sec.shape, dtype=np.float64))
+        if itemsize and not section_fits(sec.codec, decoded, sec.length) and not too_big:
+            too_big = (f"section {sec.name!r} ({sec.codec}) declares {decoded} bytes from "
+                       f"{sec.length} stored bytes: beyond the reader's limit of "
+                       f"{EXPANSION[sec.codec]} x + {EXPANSION_SLACK} bytes")
         if sec.name == "routing":
             ly = sec.moe_layers
             if ly is None or not (0 <= ly[0] < ly[1] <= schema.num_moe_layers):
@@ -221,13 +284,46 @@ def _validate(meta: dict[str, Any], schema: RoutingSchema, body_len: int) -> Rec
         elif sec.name in ARRAY_SECTIONS:
             if len(sec.shape) != 1 or sec.codec not in ("zstd", "raw"):
                 raise MetaError(f"section {sec.name!r} has a bad shape or codec")
+            if sec.name in arrays:
+                raise MetaError(f"section {sec.name!r} appears twice")
+            arrays[sec.name] = sec.shape[0]
     if sorted(covered) != list(range(schema.num_moe_layers)):
         raise MetaError(f"routing sections cover MoE layers {sorted(covered)}, "
                        f"expected 0..{schema.num_moe_layers - 1} once each")
+    _check_counts(t, meta["start"], pl, arrays.get("token_ids"), arrays.get("logprobs"))
+    if too_big:
+        raise MetaError(too_big)
     return RecordMeta(sample_id=meta["sample_id"], num_tokens=t, start=meta["start"],
                       prompt_len=pl, weight_versions=tuple(spans),
                       recomputed=flags["recomputed"], prefix_cached=flags["prefix_cached"],
                       engine=meta["engine"], sections=tuple(meta["sections"]))
+
+
+def _check_counts(t: int, start: int, prompt_len: int | None, n: int | None,
+                  g: int | None) -> None:
+    """The writer's rules (RoutingRecord.validate and SidecarWriter.write) on counts:
+    positions ``start + T <= MAX_TOKENS``; with token ids, N = start + T + 1, prompt_len in
+    [1, N] and G = N - prompt_len log-probs; without, prompt_len and G at most start + T + 1.
+
+    NOTE: checked before any section is decompressed, so a forged count (2^28 token ids for
+    11 rows) costs nothing, and a record the writer would refuse is never returned.
+    """
+    seq = start + t + 1                       # tokens of the sequence the rows imply
+    if start + t > MAX_TOKENS:
+        raise MetaError(f"start {start} + {t} rows above the format's limit {MAX_TOKENS}")
+    if n is not None:
+        if n != seq:
+            raise MetaError(f"{n} token ids for {t} routing rows from position {start}: "
+                            f"expected start + T + 1 = {seq}")
+        if prompt_len is not None and not 0 < prompt_len <= n:
+            raise MetaError(f"prompt_len {prompt_len} outside [1, {n}]")
+        if g is not None and prompt_len is not None and g != n - prompt_len:
+            raise MetaError(f"{g} log-probs for {n - prompt_len} generated tokens")
+    if prompt_len is not None and prompt_len > seq:
+        raise MetaError(f"prompt_len {prompt_len} above the {seq} tokens the rows imply")
+    if g is not None and g > seq - (prompt_len or 0):
+        raise MetaError(f"{g} log-probs, more than the {seq - (prompt_len or 0)} generated "
+                        "tokens the rows imply")
 
 
 def decode_array(blob: bytes | memoryview, sec: Section) -> np.ndarray:

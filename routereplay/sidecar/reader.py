@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import io
 import os
+import stat
 from typing import Any, BinaryIO, Iterator, Sequence
 
 import numpy as np
@@ -24,9 +25,11 @@ from routereplay.sidecar.layout import (FRAME_HEADER_SIZE, FRAME_MAGIC, HEADER_F
                                         parse_frame_header, parse_trailer)
 from routereplay.sidecar.payload import (RecordMeta, decode_array,
                                          decode_record_payload, peek_sample_id)
-from routereplay.source import Rows
+from routereplay.source import Rows, check_fetch_args
 
 _RESYNC_CHUNK = 1 << 20
+MAX_REPORTED = 1000            # error messages (and corrupt-frame entries) kept; the rest counted
+_CRC_TABLE: np.ndarray | None = None
 
 
 @dataclasses.dataclass
@@ -37,7 +40,8 @@ class FrameInfo:
         offset: byte offset of the frame header.
         kind: frame kind (1 = record; -1 when the frame header itself is corrupt).
         payload_len: P, payload bytes (-1 when not known: index entry, corrupt header).
-        sample_id: the record's id (from the meta, or from the index before a scan).
+        sample_id: the record's id (from the meta, or from the index before a scan; for a
+            corrupt frame, what its meta still says, if anything).
         meta: the validated record metadata, or None (not scanned yet, or corrupt).
         error: why the frame is corrupt, else None.
     """
@@ -50,46 +54,124 @@ class FrameInfo:
     error: str | None = None
 
 
+def _crc_table() -> np.ndarray:
+    global _CRC_TABLE
+    if _CRC_TABLE is None:
+        t = np.arange(256, dtype=np.uint32)
+        for _ in range(8):
+            t = np.where(t & 1, (t >> 1) ^ np.uint32(0xEDB88320), t >> 1).astype(np.uint32)
+        _CRC_TABLE = t
+    return _CRC_TABLE
+
+
+def valid_frame_headers(chunk: bytes) -> np.ndarray:
+    """Offsets o in ``chunk`` where a whole frame header lies whose own CRC matches
+    (FORMAT.md's resynchronisation test), ascending.
+
+    NOTE: vectorised over every ``RRFM`` candidate at once (a table-driven CRC-32 over the
+    20 header bytes of all candidates in 20 numpy steps): a region packed with forged
+    ``RRFM`` costs about 20 ns a byte instead of a Python call per candidate.
+    """
+    a = np.frombuffer(chunk, dtype=np.uint8)
+    n = a.size - FRAME_HEADER_SIZE + 1
+    if n <= 0:
+        return np.zeros(0, dtype=np.int64)
+    cand = np.flatnonzero((a[:n] == 0x52) & (a[1:n + 1] == 0x52) & (a[2:n + 2] == 0x46)
+                          & (a[3:n + 3] == 0x4D))
+    if cand.size == 0:
+        return cand
+    table = _crc_table()
+    crc = np.full(cand.size, 0xFFFFFFFF, dtype=np.uint32)
+    for i in range(20):
+        crc = table[(crc ^ a[cand + i]) & 0xFF] ^ (crc >> 8)
+    crc ^= np.uint32(0xFFFFFFFF)
+    stored = (a[cand + 20].astype(np.uint32) | (a[cand + 21].astype(np.uint32) << 8)
+              | (a[cand + 22].astype(np.uint32) << 16) | (a[cand + 23].astype(np.uint32) << 24))
+    return cand[crc == stored]
+
+
 class SidecarReader:
     """Read a sidecar stream lazily.
 
     Args:
-        source: a local path, an fsspec URL, bytes, or a seekable binary file object.
+        source: a local path (a regular file), an fsspec URL, bytes, or a seekable binary
+            file object.
 
     Attributes:
+        name: the path or URL read ("<bytes>" / "<stream>" otherwise), for messages.
         schema: the stream's RoutingSchema.
         header: the header JSON object (FORMAT.md "Header").
         version, codec, column_order, layer_group: from the header.
-        size: stream bytes when opened.
-        errors: messages about corrupt frames and a torn tail, filled by :meth:`scan`.
+        size: stream bytes seen so far (grows as :meth:`refresh` finds more).
+        complete: the stream ends with a valid index frame and trailer (its writer closed
+            it); False for a live stream, a killed writer or a stream cut short.
+        errors: messages about corrupt frames, index/frame disagreements and a torn tail
+            (the first :data:`MAX_REPORTED`, then a count), filled by :meth:`scan`.
         torn_tail: byte offset where an incomplete trailing frame starts, else None.
 
+    A stream still being written (live) is read as far as it is complete; :meth:`refresh`
+    (called on every lookup of an id not seen yet) scans only the bytes appended since,
+    from the last complete frame on: nothing already scanned is scanned again.
+
     Raises:
-        SidecarError: wrong magic, unsupported format version, corrupt header.
+        SidecarError: not a regular file (a FIFO would block), wrong magic, unsupported
+            format version, corrupt header (the message names the stream).
     """
 
     def __init__(self, source: str | os.PathLike | bytes | BinaryIO):
         self._own = True
+        self._path: str | None = None
+        self._ident: tuple[int, int] | None = None
         if isinstance(source, (bytes, bytearray, memoryview)):
+            self.name = "<bytes>"
             self._f: BinaryIO = io.BytesIO(bytes(source))
         elif isinstance(source, (str, os.PathLike)) and "://" not in os.fspath(source):
-            self._f = open(source, "rb")
+            self.name = self._path = os.fspath(source)
+            try:
+                st = os.stat(self._path)
+            except OSError as e:
+                raise SidecarError(f"{self.name}: cannot open: {e.strerror or e}") from None
+            if not stat.S_ISREG(st.st_mode):
+                # NOTE: opening a FIFO blocks until a writer appears; a reader needs to seek
+                raise SidecarError(f"{self.name}: not a regular file (a sidecar reader needs a "
+                                   "seekable file, not a FIFO, device or folder)")
+            self._f = open(self._path, "rb")
+            fst = os.fstat(self._f.fileno())
+            self._ident = (fst.st_dev, fst.st_ino)
         elif isinstance(source, (str, os.PathLike)):
             import fsspec
-            self._f = fsspec.open(os.fspath(source), "rb").open()
-        else:
+            self.name = os.fspath(source)
+            self._f = fsspec.open(self.name, "rb").open()
+        elif all(hasattr(source, m) for m in ("read", "seek", "tell")):
+            self.name = getattr(source, "name", None) or "<stream>"
+            self.name = self.name if isinstance(self.name, str) else "<stream>"
             self._f, self._own = source, False
-        self._f.seek(0, os.SEEK_END)
-        self.size = self._f.tell()
-        self.errors: list[str] = []
+        else:
+            raise ConfigError(f"a sidecar source is a path, an fsspec URL, bytes or a seekable "
+                              f"binary file object, not {type(source).__name__}")
+        self.size = self._current_size()
+        self._errors: list[str] = []
+        self._num_errors = 0
+        self._torn_msg: str | None = None
         self.torn_tail: int | None = None
+        self.complete = False
         self._frames: list[FrameInfo] | None = None          # after scan()
+        self._scan_pos = 0                                    # where the next scan starts
+        self._resync_from: int | None = None                  # a scan stopped resynchronising
         self._index: list[FrameInfo] | None = None           # from the index frame
+        self._index_offset: int | None = None
         self._by_id: dict[str, FrameInfo] = {}
+        self._corrupt: dict[str, FrameInfo] = {}              # sample id -> its corrupt frame
+        self._num_corrupt = 0
+        self._missing: dict[str, str] = {}                    # listed in the index, not found
+        self._seen: dict[str, int] = {}
         try:
             version, jlen = header_json_length(self._read(0, HEADER_FIXED_SIZE), self.size)
             hdr = decode_header(version, self._read(HEADER_FIXED_SIZE, jlen),
                                 self._read(HEADER_FIXED_SIZE + jlen, 4))
+        except SidecarError as e:
+            self.close()
+            raise SidecarError(f"{self.name}: {e}", offset=e.offset) from None
         except Exception:
             self.close()
             raise
@@ -100,12 +182,35 @@ class SidecarReader:
         self.column_order = hdr.column_order
         self.layer_group = hdr.layer_group
         self._data_start = hdr.size
+        self._header_bytes = self._read(0, hdr.size)
+        self._scan_pos = hdr.size
         self._load_index()
 
     # -- header / index
     def _read(self, offset: int, n: int) -> bytes:
         self._f.seek(offset)
         return self._f.read(n)
+
+    def _current_size(self) -> int:
+        if self._path is not None:
+            return os.fstat(self._f.fileno()).st_size
+        self._f.seek(0, os.SEEK_END)
+        return self._f.tell()
+
+    @property
+    def errors(self) -> list[str]:
+        """Messages about corrupt frames, index disagreements and a torn tail."""
+        out = list(self._errors)
+        if self._num_errors > len(self._errors):
+            out.append(f"... {self._num_errors - len(self._errors)} more errors")
+        if self._torn_msg:
+            out.append(self._torn_msg)
+        return out
+
+    def _error(self, msg: str) -> None:
+        self._num_errors += 1
+        if len(self._errors) < MAX_REPORTED:
+            self._errors.append(msg)
 
     def _load_index(self) -> None:
         """Use the index frame named by the trailer, if the stream was closed cleanly."""
@@ -114,12 +219,24 @@ class SidecarReader:
         off = parse_trailer(self._read(self.size - TRAILER_SIZE, TRAILER_SIZE))
         if off is None or not (self._data_start <= off < self.size - TRAILER_SIZE):
             return
+        self.complete = True          # NOTE: a trailer ends the frame area either way
+        self._index_offset = off
         try:
+            fh = parse_frame_header(self._read(off, FRAME_HEADER_SIZE), off, self.size)
+            # NOTE: an index lists at most one entry per frame, and each entry is not
+            # longer than its frame's meta: a bigger index frame is forged (JSON parsing
+            # costs ~10x its bytes in memory), so the reader scans instead.
+            if fh.kind != KIND_INDEX or fh.payload_len > off - self._data_start + 4096:
+                raise SidecarError("not an index frame of a plausible size", offset=off)
             fh, payload = self._read_frame(off)
-        except SidecarError:
-            return                                        # fall back to scanning
-        entries = decode_index(payload, self._data_start, off) if fh.kind == KIND_INDEX else None
+        except SidecarError as e:
+            self._error(f"index frame at offset {off} is unreadable ({e}); records are found "
+                        "by scanning")
+            return
+        entries = decode_index(payload, self._data_start, off)
         if entries is None:
+            self._error(f"index frame at offset {off} is not a valid index; records are found "
+                        "by scanning")
             return
         # NOTE: offsets must point into the frame area; read() also checks that the frame
         # found there holds this sample id (a stale or forged index).
@@ -137,18 +254,34 @@ class SidecarReader:
 
     # -- scanning
     def scan(self) -> list[FrameInfo]:
-        """Walk every frame from the header on; fills :attr:`errors` and :attr:`torn_tail`.
+        """Walk the frames not scanned yet (all of them on the first call; on a live stream,
+        those appended since); fills :attr:`errors` and :attr:`torn_tail`. On a complete
+        stream, checks the index against the frames found: every listed record missing,
+        corrupt or elsewhere, and every frame the index does not list, is an error.
 
         Returns:
-            one FrameInfo per record frame, corrupt ones included (with ``error`` set).
+            one FrameInfo per record frame, corrupt ones included (with ``error`` set; the
+            first :data:`MAX_REPORTED` of those).
         """
-        if self._frames is not None:
+        if self._frames is None:
+            self._frames = []
+        elif self._scan_pos >= (self._index_offset if self.complete else self.size) \
+                and self._resync_from is None:
             return self._frames
-        frames: list[FrameInfo] = []
-        seen: dict[str, int] = {}
-        off = self._data_start
-        while off < self.size:
-            if self.size - off == TRAILER_SIZE and self._read(off + 8, 8) == TRAILER_MAGIC:
+        frames = self._frames
+        off = self._scan_pos
+        if self._resync_from is not None:
+            nxt = self._resync(self._resync_from)
+            if nxt is None:
+                self._resync_from = max(self._resync_from, self.size - FRAME_HEADER_SIZE + 1)
+                return frames
+            self._resync_from = None
+            off = nxt
+        self.torn_tail, self._torn_msg = None, None
+        end = self._index_offset if self.complete else self.size
+        while off < end:
+            if not self.complete and self.size - off == TRAILER_SIZE \
+                    and self._read(off + 8, 8) == TRAILER_MAGIC:
                 break
             try:
                 fh = parse_frame_header(self._read(off, FRAME_HEADER_SIZE), off, self.size)
@@ -156,95 +289,220 @@ class SidecarReader:
                 if e.torn:
                     self._torn(off, str(e))
                     break
-                nxt = self._resync(off + 1)
-                self.errors.append(f"corrupt frame header at offset {off}; "
-                                   + (f"resynchronised at offset {nxt}" if nxt is not None
-                                      else "no later frame found"))
-                frames.append(FrameInfo(off, -1, -1, error="corrupt frame header"))
+                nxt = self._resync(off + 1, end)
+                self._error(f"corrupt frame header at offset {off}; "
+                            + (f"resynchronised at offset {nxt}" if nxt is not None
+                               else "no later frame found"))
+                self._keep(FrameInfo(off, -1, -1, error="corrupt frame header"))
                 if nxt is None:
+                    if not self.complete:      # a live stream may append frames later
+                        self._resync_from = max(off + 1, self.size - FRAME_HEADER_SIZE + 1)
+                    off = end
                     break
                 off = nxt
                 continue
             if fh.kind == KIND_RECORD:
-                frames.append(self._scan_record(fh, seen))
+                fi = self._scan_record(fh)
+                if fi.meta is not None:
+                    frames.append(fi)
+                    self._by_id.setdefault(fi.meta.sample_id, fi)
+                    if self._index is not None and self._by_id[fi.meta.sample_id] is not fi:
+                        self._by_id[fi.meta.sample_id] = fi          # index entry -> scanned
+                else:
+                    self._keep(fi)
             off = fh.end
-        self._frames = frames
-        self._by_id = {fi.sample_id: fi for fi in frames if fi.meta is not None}
+        self._scan_pos = off
+        if self.complete:
+            self._cross_check()
         return frames
 
-    def _scan_record(self, fh: FrameHeader, seen: dict[str, int]) -> FrameInfo:
+    def _keep(self, fi: FrameInfo) -> None:
+        """Record a corrupt frame (the first MAX_REPORTED are listed, the rest counted in
+        :attr:`errors`)."""
+        assert self._frames is not None
+        self._num_corrupt += 1
+        if self._num_corrupt <= MAX_REPORTED:
+            self._frames.append(fi)
+            if fi.sample_id is not None:
+                self._corrupt.setdefault(fi.sample_id, fi)
+
+    def _scan_record(self, fh: FrameHeader) -> FrameInfo:
         off = fh.offset
         fi = FrameInfo(off, fh.kind, fh.payload_len)
         payload = self._read(off + FRAME_HEADER_SIZE, fh.payload_len)
         if crc32(payload) != fh.payload_crc:
             fi.error = "payload checksum mismatch"
-            sid = peek_sample_id(payload)
-            self.errors.append(f"corrupt frame at offset {off}"
-                               + (f" (sample {sid!r})" if sid else "")
-                               + ": payload checksum mismatch")
+            fi.sample_id = peek_sample_id(payload)
+            self._error(f"corrupt frame at offset {off}"
+                        + (f" (sample {fi.sample_id!r})" if fi.sample_id else "")
+                        + ": payload checksum mismatch")
             return fi
         try:
-            fi.meta = decode_record_payload(payload, self.schema, self.version, off)[0]
+            meta = decode_record_payload(payload, self.schema, self.version, off)[0]
         except SidecarError as e:
             fi.error = str(e)
-            self.errors.append(f"corrupt frame at offset {off}: {e}")
+            fi.sample_id = e.sample_id
+            self._error(f"corrupt frame at offset {off}: {e}")
             return fi
-        sid = fi.meta.sample_id
-        if sid in seen:
+        sid = meta.sample_id
+        if sid in self._seen:
             # NOTE: writers refuse duplicate ids, so this stream was spliced or forged; keep
             # the first, report the rest
-            fi.error = f"duplicate sample id {sid!r} (first at offset {seen[sid]})"
-            self.errors.append(f"corrupt frame at offset {off}: {fi.error}")
-            fi.meta = None
+            fi.error = f"duplicate sample id {sid!r} (first at offset {self._seen[sid]})"
+            self._error(f"corrupt frame at offset {off}: {fi.error}")
             return fi
-        seen[sid] = off
+        self._seen[sid] = off
         fi.sample_id = sid
+        # NOTE: the section list is dropped: read() decodes the meta again from the frame,
+        # and a scan of many small records should cost little memory per record.
+        fi.meta = dataclasses.replace(meta, sections=())
         return fi
+
+    def _cross_check(self) -> None:
+        """Index entries against the frames scanned (FORMAT.md "Index payload")."""
+        if self._index is None or self._frames is None:
+            return
+        at = {fi.offset: fi for fi in self._frames}
+        listed = set()
+        for sid in [k for k, v in self._by_id.items() if v.meta is None]:
+            del self._by_id[sid]                  # index entries: only scanned frames stay
+        for entry in self._index:
+            fi = at.get(entry.offset)
+            listed.add(entry.offset)
+            if fi is not None and fi.meta is not None and fi.meta.sample_id == entry.sample_id:
+                continue
+            found = self._by_id.get(entry.sample_id)
+            found = found if found is not None and found.meta is not None else None
+            why = ("its frame there is corrupt" if fi is not None and fi.error else
+                   f"the frame there holds sample {fi.meta.sample_id!r}" if fi is not None else
+                   "no record frame starts there")
+            msg = (f"sample {entry.sample_id!r} is listed in the index at offset "
+                   f"{entry.offset} but {why}"
+                   + (f"; found at offset {found.offset}" if found is not None
+                      else "; the record is missing from the stream"))
+            self._error(msg)
+            if found is None and entry.sample_id not in self._corrupt:
+                self._missing[entry.sample_id] = msg
+        for fi in self._frames:
+            if fi.meta is not None and fi.offset not in listed:
+                self._error(f"frame at offset {fi.offset} (sample {fi.meta.sample_id!r}) is "
+                            "not listed in the stream's index")
 
     def _torn(self, off: int, why: str) -> None:
         self.torn_tail = off
-        self.errors.append(f"torn tail at offset {off} ({why}); "
-                           f"{self.size - off} trailing bytes skipped")
+        self._torn_msg = (f"torn tail at offset {off} ({why}); {self.size - off} trailing "
+                          "bytes skipped")
 
-    def _resync(self, start: int) -> int | None:
-        """Next offset >= start holding a frame header whose own checksum is valid."""
+    def _resync(self, start: int, end: int | None = None) -> int | None:
+        """Next offset in ``[start, end)`` holding a frame header whose own checksum is
+        valid (work: about 20 ns a byte, whatever the bytes)."""
+        end = self.size if end is None else end
         pos = start
-        while True:
-            chunk = self._read(pos, _RESYNC_CHUNK)
+        while pos < end:
+            chunk = self._read(pos, min(_RESYNC_CHUNK, end - pos) + FRAME_HEADER_SIZE - 1)
+            hits = valid_frame_headers(chunk)
+            if hits.size:
+                return pos + int(hits[0])
             if len(chunk) < FRAME_HEADER_SIZE:
                 return None
-            i = chunk.find(FRAME_MAGIC)
-            while i != -1:
-                hdr = chunk[i:i + FRAME_HEADER_SIZE]
-                if len(hdr) < FRAME_HEADER_SIZE:
-                    hdr = self._read(pos + i, FRAME_HEADER_SIZE)
-                if frame_header_valid(hdr):
-                    return pos + i
-                i = chunk.find(FRAME_MAGIC, i + 1)
-            pos += len(chunk) - 3
+            pos += len(chunk) - FRAME_HEADER_SIZE + 1
+        return None
+
+    def check(self, *, torn_ok: bool = True) -> None:
+        """Raise unless every frame scanned so far is readable: for a consumer that lists
+        :meth:`sample_ids` (readable records only) and must not skip a corrupt one.
+
+        Args:
+            torn_ok: a torn tail (a killed writer, or a frame being written) is not a
+                problem: every whole frame before it is read.
+        Raises:
+            SidecarError: the first corrupt frame, duplicate id, or index entry without its
+                frame (and the torn tail unless ``torn_ok``), naming the stream.
+        """
+        self.scan()
+        problems = list(self._errors) + ([] if torn_ok or not self._torn_msg
+                                         else [self._torn_msg])
+        if problems:
+            more = self._num_errors - 1 + (0 if torn_ok or not self._torn_msg else 1)
+            raise SidecarError(f"{self.name}: {problems[0]}"
+                               + (f" (and {more} more problems)" if more > 0 else ""))
+
+    # -- live streams
+    def refresh(self) -> bool:
+        """Pick up what a writer appended since the last scan (a live stream), scanning only
+        the new bytes. Returns True when the stream grew.
+
+        Raises:
+            SidecarError: the stream was replaced under its path (rotated, rewritten), shrank,
+                or changed after it was closed; naming the stream. Reopen it.
+        """
+        if self._path is not None:
+            try:
+                st = os.stat(self._path)
+            except OSError:
+                st = None             # NOTE: removed or renamed: the open file still reads
+            if st is not None and (st.st_dev, st.st_ino) != self._ident:
+                raise SidecarError(f"{self.name}: the stream was replaced since this reader "
+                                   "opened it (rotated or rewritten under the same path); "
+                                   "open the new stream")
+        size = self._current_size()
+        if size < self.size:
+            raise SidecarError(f"{self.name}: the stream shrank from {self.size} to {size} "
+                               "bytes since this reader opened it (truncated or rewritten)")
+        if size == self.size:
+            return False
+        if self.complete:
+            raise SidecarError(f"{self.name}: the stream grew after its writer closed it "
+                               f"({self.size} -> {size} bytes): it was rewritten")
+        if self._read(0, self._data_start) != self._header_bytes:
+            raise SidecarError(f"{self.name}: the stream's header changed since this reader "
+                               "opened it (rewritten in place)")
+        self.size = size
+        self._load_index()
+        if self._frames is not None or self._index is None:
+            self.scan()
+        return True
 
     # -- access
     def sample_ids(self) -> list[str]:
-        """Sample ids of readable records, in stream order (index if present, else scan)."""
+        """Sample ids of readable records, in stream order (the index of a complete stream;
+        otherwise a scan, which on a live stream picks up records appended since)."""
         if self._frames is None and self._index is not None:
             return [fi.sample_id for fi in self._index]
+        if not self.complete:
+            self.refresh()
         return [fi.sample_id for fi in self.scan() if fi.meta is not None]
 
     def __len__(self) -> int:
         return len(self.sample_ids())
 
     def __contains__(self, sample_id: object) -> bool:
-        if sample_id not in self._by_id and self._frames is None:
-            self.scan()
-        return sample_id in self._by_id
+        try:
+            self._locate(sample_id)       # type: ignore[arg-type]
+        except UnknownSampleError:
+            return False
+        except SidecarError:
+            return True                   # NOTE: present but corrupt: read() says why
+        return True
 
     def _locate(self, sample_id: str) -> FrameInfo:
-        if sample_id not in self._by_id and self._frames is None:
-            self.scan()
         fi = self._by_id.get(sample_id)
-        if fi is None:
-            raise UnknownSampleError(f"sample {sample_id!r} not in sidecar", sample_id)
-        return fi
+        if fi is not None:
+            return fi
+        if self._frames is None and not (self.complete and self._index is not None):
+            self.scan()
+        elif not self.complete:
+            self.refresh()
+        fi = self._by_id.get(sample_id)
+        if fi is not None:
+            return fi
+        if sample_id in self._missing:
+            raise SidecarError(f"{self.name}: {self._missing[sample_id]}", sample_id=sample_id)
+        bad = self._corrupt.get(sample_id)
+        if bad is not None:
+            raise SidecarError(f"sample {sample_id!r}: its frame at offset {bad.offset} is "
+                               f"corrupt ({bad.error})", offset=bad.offset, sample_id=sample_id)
+        raise UnknownSampleError(f"sample {sample_id!r} not in sidecar {self.name}", sample_id)
 
     def read(self, sample_id: str, *, moe_layers: Sequence[int] | None = None,
              tokens: tuple[int, int] | None = None, arrays: bool = True,
@@ -263,17 +521,21 @@ class SidecarReader:
             a RoutingRecord whose expert_ids are [T', len(moe_layers), K].
         Raises:
             UnknownSampleError (a KeyError): no such sample id.
-            SidecarError: the frame is corrupt (names the offset and the sample id).
+            SidecarError: the frame is corrupt, or listed in the index but missing (names
+                the offset and the sample id).
             ConfigError (a ValueError): a MoE layer position out of range or repeated.
         """
         if layers is not None:
             moe_layers = layers
         want = self._moe_layers(moe_layers)
+        if tokens is not None:
+            check_fetch_args([], [tokens], 0)
         meta, sections, off = self._record_sections(sample_id, want, arrays)
         r0, r1 = 0, meta.num_tokens
         if tokens is not None:
-            r0 = min(max(tokens[0] - meta.start, 0), meta.num_tokens)
-            r1 = min(max(tokens[1] - meta.start, r0), meta.num_tokens)
+            lo, hi = check_fetch_args([], [tokens], 0)[1][0]
+            r0 = min(max(lo - meta.start, 0), meta.num_tokens)
+            r1 = min(max(hi - meta.start, r0), meta.num_tokens)
         out = self._assemble(meta, sections, want, [(r0, r1)], off)[0]
         return RoutingRecord(
             sample_id=meta.sample_id, expert_ids=out, start=meta.start + r0,
@@ -286,11 +548,11 @@ class SidecarReader:
               runs: Sequence[tuple[int, int]]) -> list[Rows]:
         """:meth:`routereplay.source.RoutingSource.fetch`: every run from one read of the
         frame, each needed layer-group section decompressed once."""
-        want = self._moe_layers(moe_layers)
+        want, runs = check_fetch_args(moe_layers, runs, self.schema.num_moe_layers)
         meta, sections, off = self._record_sections(sample_id, want, arrays=False)
         rows = []
         for lo, hi in runs:
-            a = min(max(int(lo) - meta.start, 0), meta.num_tokens)
+            a = min(max(lo - meta.start, 0), meta.num_tokens)
             rows.append((a, min(max(int(hi) - meta.start, a), meta.num_tokens)))
         return [(ids, meta.start + a) for ids, (a, _) in
                 zip(self._assemble(meta, sections, want, rows, off), rows)]
@@ -298,27 +560,33 @@ class SidecarReader:
     def records(self, *, strict: bool = True, **kw: Any) -> Iterator[RoutingRecord]:
         """Iterate over all records in stream order.
 
-        strict=True raises SidecarError at the first corrupt frame or torn tail; with
-        strict=False they are skipped (see :attr:`errors`).
+        strict=True raises SidecarError at the first problem (a corrupt frame, a torn tail,
+        an index entry without its frame, a record whose sections do not decode); with
+        strict=False every record that decodes is returned and the others are reported in
+        :attr:`errors`.
         """
         frames = self.scan()
         if strict and self.errors:
-            raise SidecarError(self.errors[0], offset=next(
+            raise SidecarError(f"{self.name}: {self.errors[0]}", offset=next(
                 (f.offset for f in frames if f.error), self.torn_tail))
-        for fi in frames:
-            if fi.meta is not None:
-                yield self.read(fi.meta.sample_id, **kw)
+        for fi in list(frames):
+            if fi.meta is None:
+                continue
+            try:
+                rec = self.read(fi.meta.sample_id, **kw)
+            except SidecarError as e:
+                if strict:
+                    raise
+                self._error(str(e))
+                continue
+            yield rec
 
     # -- decoding
     def _moe_layers(self, moe_layers: Sequence[int] | None) -> list[int]:
         n = self.schema.num_moe_layers
-        want = list(range(n)) if moe_layers is None else [int(x) for x in moe_layers]
-        for lyr in want:
-            if not 0 <= lyr < n:
-                raise ConfigError(f"MoE layer position {lyr} out of range [0, {n})")
-        if len(set(want)) != len(want):
-            raise ConfigError(f"moe_layers {want} repeat a MoE layer position")
-        return want
+        if moe_layers is None:
+            return list(range(n))
+        return check_fetch_args(moe_layers, [], n)[0]
 
     def _record_sections(self, sample_id: str, want: list[int], arrays: bool
                          ) -> tuple[RecordMeta, dict[Any, Any], int]:
@@ -331,18 +599,26 @@ class SidecarReader:
             if fh.kind != KIND_RECORD:
                 raise SidecarError(f"frame at offset {off} is not a record frame", offset=off)
             meta, body = decode_record_payload(payload, self.schema, self.version, off)
+            if meta.sample_id != sample_id:
+                raise SidecarError(f"frame at offset {off} holds sample {meta.sample_id!r}",
+                                   offset=off)
         except SidecarError as e:
+            if self._frames is None and self._index is not None:
+                # NOTE: located by the index: scan, which checks the index against the
+                # frames, and look again (a stale index; a frame missing or corrupt)
+                self._by_id = {}
+                self.scan()
+                found = self._by_id.get(sample_id)
+                if found is not None:
+                    return self._record_sections(sample_id, want, arrays)
+                raise SidecarError(
+                    f"sample {sample_id!r} is listed in the index of {self.name} (offset {off}) "
+                    f"but its frame is missing or corrupt: {e}", offset=off,
+                    sample_id=sample_id) from None
             if e.sample_id is not None:
                 raise
             raise SidecarError(f"sample {sample_id!r}: {e}", offset=e.offset,
                                sample_id=sample_id) from None
-        if meta.sample_id != sample_id:
-            if self._frames is None:          # index disagrees with the frames: rescan
-                self._by_id = {}
-                self.scan()
-                return self._record_sections(sample_id, want, arrays)
-            raise SidecarError(f"frame at offset {off} holds sample {meta.sample_id!r}, not "
-                               f"{sample_id!r}", offset=off, sample_id=sample_id)
         wanted = set(want)
         out: dict[Any, Any] = {}
         try:
@@ -369,11 +645,23 @@ class SidecarReader:
         schema = self.schema
         out = [np.empty((r1 - r0, len(want), schema.top_k), dtype=schema.id_dtype)
                for r0, r1 in rows]
+        owner = {lyr: key for key in sections if isinstance(key, tuple) for lyr in range(*key)}
+        groups: dict[tuple[int, int], tuple[list[int], list[int]]] = {}
         for i, lyr in enumerate(want):
-            (l0, _), ids = next((key, v) for key, v in sections.items()
-                                if isinstance(key, tuple) and key[0] <= lyr < key[1])
+            key = owner[lyr]
+            pos, offs = groups.setdefault(key, ([], []))
+            pos.append(i)
+            offs.append(lyr - key[0])
+        for key, (pos, offs) in groups.items():
+            ids = sections[key]
+            # NOTE: one copy per section (a slice when its layers are wanted in order)
+            run = pos == list(range(pos[0], pos[0] + len(pos))) \
+                and offs == list(range(offs[0], offs[0] + len(offs)))
             for o, (r0, r1) in zip(out, rows):
-                o[:, i] = ids[r0:r1, lyr - l0]
+                if run:
+                    o[:, pos[0]:pos[0] + len(pos)] = ids[r0:r1, offs[0]:offs[0] + len(offs)]
+                else:
+                    o[:, pos] = ids[r0:r1][:, offs]
         # NOTE: the reader is the boundary that checks stored ids (range, distinct in a
         # row); consumers (alignment, replay) do not check them again.
         layer_ids = [schema.moe_layer_ids[i] for i in want]

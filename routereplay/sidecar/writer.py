@@ -6,6 +6,7 @@ destination pushes back on the producer instead of growing memory.
 from __future__ import annotations
 
 import io
+import json
 import os
 import queue
 import threading
@@ -16,8 +17,8 @@ from routereplay.errors import ConfigError, RecordError, SidecarError
 from routereplay.record import RoutingRecord
 from routereplay.schema import RoutingSchema
 from routereplay.sidecar.layout import (COLUMN_ORDERS, DEFAULT_LAYER_GROUP, KIND_INDEX,
-                                        KIND_RECORD, MAX_TOKENS, encode_frame, encode_header,
-                                        encode_index, encode_trailer)
+                                        KIND_RECORD, MAX_JSON_BYTES, MAX_TOKENS, encode_frame,
+                                        encode_header, encode_index, encode_trailer)
 from routereplay.sidecar.payload import encode_record_payload
 
 FSYNC_MODES = ("close", "frame", "never")
@@ -67,22 +68,56 @@ class SidecarWriter:
             them) or "sorted" (canonical: each row in ascending expert id; declared in the
             header; ``ctx-ans-sorted`` codes it smaller by about log2(top_k!) bits a row).
 
-    Every frame is flushed to the OS as soon as it is written, so a killed writer loses at
-    most the frame in flight (a torn tail, which readers detect and skip).
+    Durability contract (what survives the writer's process being killed):
+
+    - :meth:`write` returning means the record was validated, its sample id reserved, and
+      (``background=True``) queued: it is not in the stream yet. A process killed then
+      loses the records still queued or being encoded: at most ``max_queue + 1`` records
+      whose :meth:`write` had returned (the default ``max_queue=64`` can lose 65).
+    - ``write(record, wait=True)`` (or ``background=False``) returns only once the record's
+      frame is written and flushed to the OS: a killed process no longer loses it.
+    - :meth:`flush` returning: every record whose :meth:`write` returned before is written
+      and flushed to the OS.
+    - :meth:`close`: flush, then the index frame and trailer, then fsync (local files,
+      ``fsync="close"`` or ``"frame"``). Only a closed stream is complete; a reader of an
+      unclosed one recovers every whole frame and reports the stream as not complete.
+    - Against power loss (not only a killed process) a frame is durable once fsynced:
+      ``fsync="frame"`` fsyncs each frame as it is written.
+
+    Bounded loss, for users who need it: ``max_queue=N`` bounds what a kill can lose to
+    N + 1 records whose write() returned; ``wait=True`` per record, or
+    ``background=False`` for all, to none. A frame being written when the process dies is
+    a torn tail, which readers detect and skip.
 
     Raises:
-        ConfigError: a bad codec, column order, fsync mode or layer group.
+        ConfigError: a bad codec, column order, fsync mode, layer group or max_queue.
     """
 
     def __init__(self, dest: str | os.PathLike | BinaryIO | None, schema: RoutingSchema, *,
                  codec: str | None = None, background: bool = True, max_queue: int = 64,
                  fsync: str = "close", extra_header: dict[str, Any] | None = None,
                  layer_group: int = DEFAULT_LAYER_GROUP, column_order: str = "engine"):
+        if not isinstance(schema, RoutingSchema):
+            raise ConfigError(f"schema must be a RoutingSchema, got {type(schema).__name__}")
+        if dest is not None and not isinstance(dest, (str, os.PathLike)) \
+                and not hasattr(dest, "write"):
+            raise ConfigError(f"a sidecar destination is a path, an fsspec URL, a writable "
+                              f"binary file object or None, not {type(dest).__name__}")
         codec = writer_codec(codec, column_order)
         if fsync not in FSYNC_MODES:
             raise ConfigError(f"fsync must be one of {FSYNC_MODES}, got {fsync!r}")
         if isinstance(layer_group, bool) or not isinstance(layer_group, int) or layer_group < 1:
             raise ConfigError(f"layer_group must be an integer >= 1, got {layer_group!r}")
+        if isinstance(max_queue, bool) or not isinstance(max_queue, int) or max_queue < 1:
+            # NOTE: queue.Queue(0) would be unbounded: no back-pressure, unbounded loss
+            raise ConfigError(f"max_queue must be an integer >= 1, got {max_queue!r}")
+        try:
+            header = encode_header(schema, codec, extra_header, layer_group, column_order)
+        except (TypeError, ValueError) as e:
+            raise ConfigError(f"extra_header is not JSON-serialisable: {e}") from None
+        if len(header) - 20 > MAX_JSON_BYTES:
+            raise ConfigError(f"extra_header makes a header JSON of {len(header) - 20} bytes, "
+                              f"above the reader's limit of {MAX_JSON_BYTES} bytes")
         self.schema, self.codec, self._fsync = schema, codec, fsync
         self.layer_group, self.column_order = layer_group, column_order
         self._own = True
@@ -105,7 +140,7 @@ class SidecarWriter:
         self._bytes_written = 0
         self._q: queue.Queue | None = None
         self._thread: threading.Thread | None = None
-        self._emit(encode_header(schema, codec, extra_header, layer_group, column_order))
+        self._emit(header)
         if background:
             self._q = queue.Queue(maxsize=max_queue)
             self._thread = threading.Thread(target=self._run, name="routereplay-sidecar-writer",
@@ -113,25 +148,46 @@ class SidecarWriter:
             self._thread.start()
 
     # -- public
-    def write(self, record: RoutingRecord) -> None:
+    def write(self, record: RoutingRecord, *, wait: bool = False) -> None:
         """Validate ``record`` against the schema and append it.
 
+        Args:
+            wait: return only once the record's frame is written and flushed to the OS
+                (see the durability contract in the class doc); otherwise return once it is
+                queued (``background=True``).
         Raises:
             RecordError: invalid record or a sample id already in this stream (nothing written).
-            SidecarError: the background writer failed earlier.
+            SidecarError: the background writer failed (earlier, or with ``wait``, on this
+                record).
         """
         self._check_open()
+        if not isinstance(record, RoutingRecord):
+            raise RecordError(f"expected a RoutingRecord, got {type(record).__name__}")
         record.validate(self.schema)
-        if record.num_tokens > MAX_TOKENS:
-            raise RecordError(f"sample {record.sample_id!r}: {record.num_tokens} routing rows, "
-                              f"above the sidecar format's limit of {MAX_TOKENS}")
+        if record.start + record.num_tokens > MAX_TOKENS:
+            raise RecordError(f"sample {record.sample_id!r}: {record.num_tokens} routing rows from "
+                              f"position {record.start}, above the sidecar format's limit of "
+                              f"{MAX_TOKENS} token positions")
+        # NOTE: the meta's size is checked here, not on the writer thread, so that an
+        # oversized record fails its own write() and the stream stays usable.
+        sections = -(-self.schema.num_moe_layers // self.layer_group) + 2
+        meta_len = len(json.dumps(record.meta(), separators=(",", ":")).encode()) + 48 * sections
+        if meta_len > MAX_JSON_BYTES:
+            raise RecordError(f"sample {str(record.sample_id)[:80]!r}: record meta of about "
+                              f"{meta_len} bytes exceeds the reader's limit of {MAX_JSON_BYTES} "
+                              "bytes (sample id or span lists too long)")
         if record.sample_id in self._ids:
             raise RecordError(f"sample {record.sample_id!r} already written to this stream")
         self._ids.add(record.sample_id)
         if self._q is None:
             self._write_now(record)
+        elif wait:
+            done = threading.Event()
+            self._q.put((record, done))
+            done.wait()
+            self._raise_bg()
         else:
-            self._q.put(record)
+            self._q.put((record, None))
 
     def flush(self) -> None:
         """Block until every queued record is written and flushed to the OS."""
@@ -221,15 +277,19 @@ class SidecarWriter:
     def _run(self) -> None:
         assert self._q is not None
         while True:
-            rec = self._q.get()
+            item = self._q.get()
+            done = None
             try:
-                if rec is None:
+                if item is None:
                     return
+                rec, done = item
                 if self._error is None:
                     self._write_now(rec)
             except BaseException as e:  # reported on the next write/flush/close
                 self._error = e
             finally:
+                if done is not None:
+                    done.set()
                 self._q.task_done()
 
 

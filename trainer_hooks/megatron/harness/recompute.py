@@ -81,6 +81,7 @@ def _worker(rank: int, o: Options) -> None:
     reader = SidecarReader(o.sidecar)
     schema.check_same(reader.schema, what=f"sidecar {os.path.basename(o.sidecar)}")
     ids = reader.sample_ids()
+    reader.check()           # NOTE: sample_ids() lists readable records; none may be skipped
     if o.limit:
         ids = ids[:o.limit]
     if not ids:

@@ -1,0 +1,476 @@
+"""Issue 16: failure kinds that were silently wrong, or cost work out of proportion to the
+input. Each test's first case is the issue's example; work and memory are asserted, not only
+the error type (tracemalloc peak: numpy buffers included; CPU: process time)."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import struct
+import time
+import tracemalloc
+import zipfile
+
+import numpy as np
+import pytest
+
+from routereplay import codec
+from routereplay import sidecar as sc
+from routereplay.convert import iter_records, to_record
+from routereplay.errors import (RecordError, RouteReplayError, SidecarError,
+                                UnknownSampleError)
+from routereplay.schema import RoutingSchema
+from routereplay.sidecar import SidecarReader, SidecarWriter, write_records
+from tests.conftest import random_record
+
+MiB = 1 << 20
+
+
+def measure(fn):
+    """(error or None, CPU seconds, peak traced bytes) of ``fn()``; only our errors caught."""
+    tracemalloc.start()
+    t = time.process_time()
+    err = None
+    try:
+        fn()
+    except RouteReplayError as e:
+        err = e
+    cpu = time.process_time() - t
+    peak = tracemalloc.get_traced_memory()[1]
+    tracemalloc.stop()
+    return err, cpu, peak
+
+
+def forge(schema, rec, edit_meta=None, replace=None, codec_name=None):
+    """A one-record stream whose payload was edited and re-framed with valid CRCs:
+    ``replace`` maps a section name to its new bytes, ``edit_meta`` edits the meta JSON."""
+    payload = sc.encode_record_payload(rec, schema, **({"codec": codec_name} if codec_name else {}))
+    (mlen,) = struct.unpack("<I", payload[:4])
+    meta = json.loads(payload[4:4 + mlen])
+    body, parts, pos = payload[4 + mlen:], [], 0
+    for sec in meta["sections"]:
+        parts.append(body[pos:pos + sec[2]])
+        pos += sec[2]
+        if replace and sec[0] in replace:
+            parts[-1] = replace[sec[0]]
+            sec[2] = len(parts[-1])
+    if edit_meta:
+        edit_meta(meta)
+    js = json.dumps(meta).encode()
+    return sc.encode_header(schema) + sc.encode_frame(
+        sc.KIND_RECORD, struct.pack("<I", len(js)) + js + b"".join(parts))
+
+
+def _set(name, index, value):
+    """edit_meta: set field ``index`` of the section called ``name``."""
+    def edit(meta):
+        for sec in meta["sections"]:
+            if sec[0] == name:
+                sec[index] = value
+    return edit
+
+
+# --- kind 4: ids narrowed before they reached us -------------------------------------------
+
+def test_id_dtype_too_narrow_for_num_experts_is_refused(tmp_path):
+    big = RoutingSchema(4, (0, 1, 2, 3), 2, 512)
+    rng = np.random.default_rng(0)
+    ids = np.argsort(rng.random((124, 4, 512)), -1)[..., :2]
+    wrapped = (ids % 256).astype(np.uint8)                 # what an 8-bit capture holds
+    np.save(tmp_path / "s.npy", wrapped)
+    with pytest.raises(RecordError, match="dtype uint8 cannot hold expert ids up to 511"):
+        list(iter_records("vllm", str(tmp_path / "s.npy"), big))
+    with pytest.raises(RecordError, match="int8 cannot hold"):
+        to_record("x", ids[:, :, :].astype(np.int8) % 100, RoutingSchema(4, (0, 1, 2, 3), 2, 200))
+    # wide enough dtypes still pass
+    assert to_record("ok", ids.astype(np.uint16), big).expert_ids.dtype == np.uint16
+
+
+# --- kind 9: convert's work follows the data, not the declared sizes ------------------------
+
+def _zip_member(path, name, header_arr_like, nbytes, fill=b"\0"):
+    with zipfile.ZipFile(path, "w", compression=zipfile.ZIP_DEFLATED) as z:
+        with z.open(name, "w", force_zip64=True) as f:
+            np.lib.format.write_array_header_1_0(
+                f, np.lib.format.header_data_from_array_1_0(header_arr_like))
+            block = fill * MiB
+            for _ in range(nbytes // MiB):
+                f.write(block)
+
+
+def test_npz_member_bomb_is_refused_at_its_first_chunk(tmp_path, schema):
+    # a member expanding to 64 MiB of zeros (a 64 KiB .npz): all-zero rows repeat expert 0
+    t = (64 * MiB) // (4 * 4)
+    like = np.lib.stride_tricks.as_strided(np.zeros(1, np.uint8), (t, 4, 4), (0, 0, 0))
+    path = tmp_path / "bomb.npz"
+    _zip_member(path, "a.npy", like, 64 * MiB)
+    assert path.stat().st_size < MiB
+    err, cpu, peak = measure(lambda: list(iter_records("vllm", str(path), schema)))
+    assert isinstance(err, RecordError) and "sample 'a', token 0, layer 1: duplicate" in str(err)
+    assert "capturer was never bound" in str(err)
+    assert peak < 8 * MiB and cpu < 2.0, (peak, cpu)
+
+
+def test_bad_ids_report_the_first_without_materialising_all(tmp_path, schema):
+    arr = np.full((312_500, 4, 4), -1, np.int32)         # 20 MB of -1 sentinels
+    np.save(tmp_path / "neg.npy", arr)
+    err, cpu, peak = measure(lambda: list(iter_records("vllm", str(tmp_path / "neg.npy"),
+                                                       schema)))
+    assert "sample 'neg', token 0, layer 1: expert id -1 outside [0, 16)" in str(err)
+    assert "EPLB" not in str(err)                    # the replica hint is for ids >= E only
+    assert peak < 12 * MiB and cpu < 2.0, (peak, cpu)
+    # an in-memory array: the same, no argwhere over every bad id
+    rec = random_record(schema, "r", 300_001, 0, with_arrays=False)
+    rec.expert_ids[:] = 0
+    err, cpu, peak = measure(lambda: rec.validate(schema))
+    assert "token 0, layer 1: duplicate expert ids [0, 0, 0, 0]" in str(err)
+    assert peak < 12 * MiB, peak
+
+
+# --- kind 7: the reader applies the writer's rules, before allocating -----------------------
+
+def test_forged_token_id_count_is_refused_before_decompressing(schema):
+    import zstandard
+    rec = random_record(schema, "t", 12, 1)              # 11 rows, 12 token ids
+    huge = zstandard.ZstdCompressor(level=19).compress(bytes(1 << 30))    # 1 GiB of zeros
+    data = forge(schema, rec, _set("token_ids", 3, 1 << 28), replace={"token_ids": huge})
+    assert len(data) < 64 * 1024
+    r = SidecarReader(data)
+    err, cpu, peak = measure(lambda: r.read("t"))
+    assert isinstance(err, SidecarError) and "268435456 token ids for 11 routing rows" in str(err)
+    assert peak < 4 * MiB and cpu < 0.5, (peak, cpu)
+    # 5 token ids for 11 rows: refused, as the writer refuses it
+    with pytest.raises(SidecarError, match="5 token ids for 11 routing rows"):
+        SidecarReader(forge(schema, rec, _set("token_ids", 3, 5))).read("t")
+    with pytest.raises(SidecarError, match="prompt_len 40"):
+        SidecarReader(forge(schema, rec, lambda m: m.__setitem__("prompt_len", 40))).read("t")
+    with pytest.raises(SidecarError, match="3 log-probs for 6 generated tokens"):
+        SidecarReader(forge(schema, rec, _set("logprobs", 3, 3))).read("t")
+
+
+# --- kind 8: forged counts and bombs cost nothing; resync is vectorised ---------------------
+
+def test_ctx_ans_forged_token_count(schema):
+    rec = random_record(schema, "a", 12, 2, with_arrays=False)
+
+    def claim(m):
+        m["num_tokens"] = 1 << 24
+    data = forge(schema, rec, claim, codec_name="ctx-ans")
+    assert len(data) < 1024
+    r = SidecarReader(data)
+    err, cpu, peak = measure(lambda: r.read("a"))
+    assert isinstance(err, SidecarError) and "beyond the reader's limit" in str(err), err
+    assert peak < 2 * MiB and cpu < 0.2, (peak, cpu)
+    # the decoder itself, asked for 2^20 rows from a 68-byte section, stops at once
+    wide = RoutingSchema(1, (0,), 4, 16)
+    ids = random_record(wide, "d", 11, 3).expert_ids
+    blob = codec.encode(ids, "ctx-ans", 16)
+    err, cpu, peak = measure(lambda: codec.decode(blob, "ctx-ans", (1 << 20, 1, 4), np.uint8, 16))
+    assert isinstance(err, SidecarError) and "repeats the previous row" in str(err)
+    assert peak < 2 * MiB and cpu < 0.2, (peak, cpu)
+
+
+def test_ctx_zstd_bomb_is_refused_before_decompressing(schema):
+    import zstandard
+    rec = random_record(schema, "z", 12, 3, with_arrays=False)
+    t = 1 << 24
+    bomb = zstandard.ZstdCompressor(level=19).compress(b"\xff" * (t * 3 // 8 + 1) + bytes(64 * MiB))
+
+    def edit(m):
+        m["num_tokens"] = t
+    data = forge(schema, rec, edit, replace={"routing": bomb})
+    err, cpu, peak = measure(lambda: SidecarReader(data).read("z"))
+    assert isinstance(err, SidecarError) and "beyond the reader's limit" in str(err), err
+    assert peak < 4 * MiB and cpu < 0.2, (peak, cpu)
+
+
+def test_resync_over_forged_frame_magic_is_linear_and_fast(schema):
+    good = write_records(None, schema, [random_record(schema, "g", 10, 1)],
+                         background=False).getvalue()
+    first = SidecarReader(good).scan()[0]
+    head = good[:first.offset]
+    frame = good[first.offset:first.offset + 24 + first.payload_len]
+    junk = b"RRFM" * (2 * MiB)                            # 8 MiB of candidate magics
+    data = head + b"\x00" * 24 + junk + frame
+    r = SidecarReader(data)
+    err, cpu, peak = measure(r.scan)
+    assert r.sample_ids() == ["g"] and "corrupt frame header" in r.errors[0]
+    assert cpu < 2.0 and peak < 8 * MiB + 2 * len(data), (cpu, peak)
+
+
+def test_expansion_limit_writer_falls_back_and_reader_accepts(schema):
+    """Routing that compresses beyond the reader's limit is stored with a codec that fits,
+    so nothing a writer writes is refused by a reader."""
+    ids = np.tile(np.array([[[1, 2, 3, 4]]], np.uint8), (200_000, 3, 1))   # constant routing
+    from routereplay.record import RoutingRecord
+    r = RoutingRecord("const", ids)
+    for c in ("ctx-ans", "ctx-zstd"):
+        data = write_records(None, schema, [r], codec=c).getvalue()
+        rd = SidecarReader(data)
+        np.testing.assert_array_equal(rd.read("const").expert_ids, ids)
+        assert not rd.errors
+
+
+# --- kind 10: every listed record accounted for ---------------------------------------------
+
+def _frames(data):
+    return [(f.sample_id, f.offset, 24 + f.payload_len) for f in SidecarReader(data).scan()]
+
+
+def test_frame_removed_from_closed_stream_is_reported(schema):
+    recs = [random_record(schema, f"r{i}", 10 + i, i) for i in range(3)]
+    data = write_records(None, schema, recs).getvalue()
+    fr = _frames(data)
+    (_, o1, n1), (_, o2, _) = fr[1], fr[2]
+    body = data[:o1] + data[o1 + n1:data.rindex(b"RRFM")]        # r1's frame cut out
+    index = sc.layout.encode_index([("r0", fr[0][1]), ("r1", o1), ("r2", o2 - n1)])
+    forged = body + sc.encode_frame(sc.KIND_INDEX, index) + sc.layout.encode_trailer(len(body))
+    r = SidecarReader(forged)
+    assert r.complete and r.sample_ids() == ["r0", "r1", "r2"]          # the index says so
+    with pytest.raises(SidecarError, match="'r1' is listed in the index .* missing"):
+        r.read("r1")
+    assert "r1" in r                                         # listed: not an unknown sample
+    r = SidecarReader(forged)
+    r.scan()
+    assert any("'r1' is listed in the index at offset" in e and "missing" in e for e in r.errors)
+    with pytest.raises(SidecarError, match="r1"):
+        list(r.records())
+    assert [x.sample_id for x in r.records(strict=False)] == ["r0", "r2"]
+
+
+def test_stream_cut_at_a_frame_boundary_is_not_complete(schema):
+    recs = [random_record(schema, f"r{i}", 10 + i, i) for i in range(3)]
+    data = write_records(None, schema, recs).getvalue()
+    cut = data[:_frames(data)[2][1]]
+    r = SidecarReader(cut)
+    assert r.sample_ids() == ["r0", "r1"] and not r.complete and not r.errors
+    assert SidecarReader(data).complete
+
+
+# --- kind 12: corrupt frames never hide later records or turn into "not in" ----------------
+
+def test_records_non_strict_continues_after_a_frame_that_does_not_decode(schema):
+    recs = [random_record(schema, f"r{i}", 10 + i, i) for i in range(3)]
+    payloads = [sc.encode_record_payload(x, schema) for x in recs]
+    (mlen,) = struct.unpack("<I", payloads[1][:4])
+    bad = bytearray(payloads[1])
+    bad[4 + mlen + 2] ^= 0xFF                           # routing bytes: CRC re-computed below
+    data = sc.encode_header(schema) + b"".join(
+        sc.encode_frame(sc.KIND_RECORD, bytes(p)) for p in (payloads[0], bad, payloads[2]))
+    r = SidecarReader(data)
+    got = [x.sample_id for x in r.records(strict=False)]
+    assert got == ["r0", "r2"]
+    assert any("'r1'" in e for e in r.errors)
+    with pytest.raises(SidecarError):
+        list(SidecarReader(data).records())
+
+
+@pytest.mark.parametrize("indexed", [True, False])
+def test_listed_sample_with_corrupt_frame_is_a_sidecar_error(schema, indexed):
+    recs = [random_record(schema, f"r{i}", 10 + i, i) for i in range(3)]
+    data = bytearray(write_records(None, schema, recs).getvalue())
+    fr = _frames(bytes(data))
+    data[fr[1][1] + fr[1][2] - 3] ^= 0xFF                     # r1's payload CRC now fails
+    data = bytes(data) if indexed else bytes(data[:-16])
+    r = SidecarReader(data)
+    with pytest.raises(SidecarError, match="'r1'") as e:
+        r.read("r1")
+    assert not isinstance(e.value, KeyError)
+    with pytest.raises(UnknownSampleError):
+        r.read("never-written")
+
+
+# --- live streams: incremental scan; rotated or replaced streams ----------------------------
+
+def test_live_stream_is_scanned_incrementally(tmp_path, schema, monkeypatch):
+    path = str(tmp_path / "live.rrsc")
+    w = SidecarWriter(path, schema)
+    for i in range(3):
+        w.write(random_record(schema, f"a{i}", 12, i))
+    w.flush()
+    r = SidecarReader(path)
+    assert r.sample_ids() == ["a0", "a1", "a2"] and not r.complete
+    scanned = []
+    real = SidecarReader._scan_record
+    monkeypatch.setattr(SidecarReader, "_scan_record",
+                        lambda self, fh: scanned.append(fh.offset) or real(self, fh))
+    for i in range(3, 5):
+        w.write(random_record(schema, f"a{i}", 12, i))
+    w.flush()
+    assert r.read("a4").sample_id == "a4"                 # a lookup picks up new frames
+    assert r.sample_ids() == [f"a{i}" for i in range(5)]
+    assert len(scanned) == 2                              # only the two new frames
+    w.close()
+    r.refresh()
+    assert r.complete and not r.errors and len(scanned) == 2
+    with pytest.raises(UnknownSampleError):
+        r.read("a9")
+
+
+def test_rotated_or_truncated_stream_is_a_clear_error(tmp_path, schema):
+    path = str(tmp_path / "s.rrsc")
+    w = SidecarWriter(path, schema)
+    w.write(random_record(schema, "x", 12, 1))
+    w.flush()
+    r = SidecarReader(path)
+    assert r.sample_ids() == ["x"]
+    write_records(str(tmp_path / "next.rrsc"), schema, [random_record(schema, "y", 12, 2)])
+    os.replace(tmp_path / "next.rrsc", path)                 # rotated under the same path
+    with pytest.raises(SidecarError, match="replaced since this reader opened it"):
+        r.read("y")
+    np.testing.assert_array_equal(r.read("x").expert_ids,   # what it holds still reads
+                                  random_record(schema, "x", 12, 1).expert_ids)
+    w.close()
+    r2 = SidecarReader(path)
+    with open(path, "r+b") as f:
+        f.truncate(r2.size - 40)
+    with pytest.raises(SidecarError, match="shrank"):
+        r2.refresh()
+
+
+def test_fifo_is_refused_without_blocking(tmp_path):
+    fifo = tmp_path / "pipe.rrsc"
+    os.mkfifo(fifo)
+    old = signal.signal(signal.SIGALRM, lambda *a: (_ for _ in ()).throw(TimeoutError()))
+    signal.alarm(10)
+    try:
+        with pytest.raises(SidecarError, match="not a regular file"):
+            SidecarReader(str(fifo))
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, old)
+
+
+# --- kind 11: the writer's durability contract, measured with a real SIGKILL ---------------
+
+_HANG_CHILD = r"""
+import sys, time
+from routereplay.schema import RoutingSchema
+from routereplay.sidecar import SidecarWriter
+from tests.conftest import random_record
+
+class HangOnSecondFrame:
+    # the second record frame never completes (a stuck disk); the parent then SIGKILLs us
+    def __init__(self, path):
+        self.f = open(path, "wb"); self.frames = 0
+    def write(self, b):
+        if b[:4] == b"RRFM":
+            self.frames += 1
+            if self.frames == 2:
+                print("HANG", flush=True); time.sleep(600)
+        self.f.write(b)
+    def flush(self):
+        self.f.flush()
+
+schema = RoutingSchema(4, (1, 2, 3), 4, 16)
+wait = sys.argv[2] == "wait"
+w = SidecarWriter(HangOnSecondFrame(sys.argv[1]), schema, max_queue=int(sys.argv[3]))
+for i in range(10):
+    w.write(random_record(schema, f"k{i}", 30, i), wait=wait)
+    print(f"RET k{i}", flush=True)
+time.sleep(600)
+"""
+
+
+@pytest.mark.parametrize("mode,max_queue", [("queue", 2), ("queue", 5), ("wait", 2)])
+def test_killed_writer_loses_at_most_the_documented_records(tmp_path, mode, max_queue):
+    import subprocess
+    import sys
+    script = tmp_path / "child.py"
+    script.write_text(_HANG_CHILD)
+    path = tmp_path / "k.rrsc"
+    env = {**os.environ, "PYTHONPATH": os.path.dirname(os.path.dirname(os.path.abspath(__file__)))}
+    proc = subprocess.Popen([sys.executable, str(script), str(path), mode, str(max_queue)],
+                            stdout=subprocess.PIPE, text=True, env=env)
+    try:
+        lines = []
+        while "HANG" not in lines:
+            lines.append(proc.stdout.readline().strip())
+        time.sleep(1.0)              # let the caller's thread run until write() blocks
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(timeout=30)
+        lines += proc.stdout.read().split()
+    finally:
+        proc.kill()
+    returned = [x for x in lines if x.startswith("k")]
+    recovered = SidecarReader(str(path)).sample_ids()
+    assert recovered == ["k0"]
+    lost = [x for x in returned if x not in recovered]
+    if mode == "wait":
+        assert lost == []                                   # every returned write survived
+    else:
+        assert 0 < len(lost) <= max_queue + 1, (returned, recovered)
+
+
+# --- issue 15 item 1: several streams read as one -----------------------------------------
+
+def test_multi_stream_source_folder_glob_list(tmp_path, schema):
+    from routereplay.sidecar import MultiSidecarReader, open_sidecar
+    from routereplay.source import RoutingSource, as_source
+    recs = [random_record(schema, f"s{i}", 12 + i, i) for i in range(6)]
+    for j in range(3):
+        write_records(str(tmp_path / f"v{j}.rrsc"), schema, recs[2 * j:2 * j + 2])
+    (tmp_path / "notes.txt").write_text("not a stream")
+    for spec in (str(tmp_path), str(tmp_path / "v*.rrsc"),
+                 [str(tmp_path / f"v{j}.rrsc") for j in range(3)]):
+        m = open_sidecar(spec)
+        assert isinstance(m, MultiSidecarReader) and isinstance(m, RoutingSource)
+        assert m.sample_ids() == [r.sample_id for r in recs] and m.complete and not m.errors
+        np.testing.assert_array_equal(m.read("s3", moe_layers=[1]).expert_ids,
+                                      recs[3].expert_ids[:, [1]])
+        ids, first = m.fetch("s5", [0, 2], [(3, 7)])[0]
+        np.testing.assert_array_equal(ids, recs[5].expert_ids[3:7][:, [0, 2]])
+        assert [r.sample_id for r in m.records()] == m.sample_ids()
+        assert as_source(m, schema) is m and m.stream_of("s4").endswith("v2.rrsc")
+        with pytest.raises(UnknownSampleError, match="none of the 3"):
+            m.read("nope")
+        m.close()
+    assert isinstance(open_sidecar(str(tmp_path / "v0.rrsc")), SidecarReader)
+
+
+def test_multi_stream_refuses_an_id_in_two_streams_naming_both(tmp_path, schema):
+    from routereplay.errors import SchemaError
+    from routereplay.sidecar import MultiSidecarReader
+    write_records(str(tmp_path / "a.rrsc"), schema, [random_record(schema, "x", 12, 1)])
+    write_records(str(tmp_path / "b.rrsc"), schema, [random_record(schema, "x", 14, 2)])
+    with pytest.raises(SidecarError, match=r"'x' is in two streams: .*a\.rrsc and .*b\.rrsc"):
+        MultiSidecarReader(str(tmp_path))
+    other = RoutingSchema(4, (1, 2, 3), 4, 32)
+    write_records(str(tmp_path / "b.rrsc"), other, [random_record(other, "y", 12, 2)])
+    with pytest.raises(SchemaError, match="b.rrsc"):
+        MultiSidecarReader(str(tmp_path))
+    with pytest.raises(RouteReplayError, match="no sidecar streams"):
+        MultiSidecarReader(str(tmp_path / "empty*.rrsc"))
+
+
+def test_multi_stream_picks_up_rotated_and_live_streams(tmp_path, schema):
+    from routereplay.sidecar import MultiSidecarReader
+    write_records(str(tmp_path / "v0.rrsc"), schema, [random_record(schema, "a", 12, 1)])
+    live = SidecarWriter(str(tmp_path / "v1.rrsc"), schema)
+    m = MultiSidecarReader(str(tmp_path))
+    assert m.pending == [str(tmp_path / "v1.rrsc")] and not m.complete
+    live.write(random_record(schema, "b", 12, 2))
+    live.flush()
+    assert m.read("b").sample_id == "b" and m.pending == []      # opened once it has bytes
+    live.write(random_record(schema, "c", 12, 3))
+    live.close()
+    assert m.read("c").sample_id == "c" and m.complete
+    write_records(str(tmp_path / "v2.rrsc"), schema, [random_record(schema, "d", 12, 4),
+                                                      random_record(schema, "a", 12, 5)])
+    with pytest.raises(SidecarError, match="'a' is in two streams"):
+        m.read("d")                                              # v2 holds 'a' again
+
+
+def test_check_refuses_what_sample_ids_leaves_out(schema):
+    recs = [random_record(schema, f"r{i}", 10 + i, i) for i in range(3)]
+    data = bytearray(write_records(None, schema, recs).getvalue())
+    fr = _frames(bytes(data))
+    data[fr[1][1] + fr[1][2] - 3] ^= 0xFF
+    r = SidecarReader(bytes(data[:-16]))
+    assert r.sample_ids() == ["r0", "r2"]                  # readable ones, for recovery
+    with pytest.raises(SidecarError, match="'r1'"):
+        r.check()
+    torn = SidecarReader(bytes(write_records(None, schema, recs).getvalue()[:fr[2][1] + 30]))
+    torn.check()                                           # a torn tail alone is fine
+    with pytest.raises(SidecarError, match="torn tail"):
+        torn.check(torn_ok=False)
