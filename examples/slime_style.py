@@ -7,7 +7,8 @@ The framework carries each sample (uid, tokens, response length, rollout log-pro
 own data plane; the vLLM plugin wrote each sample's routing under the same uid. Per RL step
 (one per policy version):
 
-1. open the version's closed stream(s): the trainer reads its samples lazily, by uid;
+1. open the version's closed stream(s) as one source (one per API-server process or DP
+   engine; ``open_sidecar`` reads a list of them as one): samples are read lazily, by uid;
 2. old log-probs: forward-only; R3 replays the rollout's experts, R2 records the trainer's;
 3. the update: forward + backward replaying them (R3: the stream; R2: the recording);
 4. metrics for your logger: ``stats.as_metrics()`` and the k3 KL against the rollout.
@@ -22,7 +23,8 @@ import numpy as np
 import torch
 from megatron.core.pipeline_parallel import get_forward_backward_func
 
-from routereplay import RoutingSchema, SidecarReader
+from routereplay import RoutingSchema
+from routereplay.sidecar import open_sidecar
 from trainer_hooks.megatron import Layout, Microbatch, RouterReplayer
 
 from _tiny_megatron import packed_inputs, tiny_megatron, token_logprobs
@@ -73,10 +75,13 @@ def main():
     replayer = RouterReplayer(model, schema)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-5)
     with open(f"{a.rollout}/streams.json") as f:
-        streams = json.load(f)                      # plugin.streams() of the rollout worker
+        streams = json.load(f)                      # plugin.streams() of the rollout worker(s)
+    versions = {}
+    for info in streams:
+        assert info["closed"], info                 # closed = indexed: opened without a scan
+        versions.setdefault(info["weight_version"], []).append(info["path"])
 
-    for info in streams:                            # one RL step per policy version
-        version = info["weight_version"]
+    for version, paths in versions.items():         # one RL step per policy version
         with open(f"{a.rollout}/samples-{version}.json") as f:
             samples = json.load(f)                  # the framework's own per-sample data
         groups = [samples[i:i + MICRO_BATCH] for i in range(0, len(samples), MICRO_BATCH)]
@@ -85,7 +90,7 @@ def main():
         mbs = [Microbatch(sample_ids=[s["uid"] for s in g],
                           layout=Layout.packed_from_lengths([len(s["tokens"]) for s in g]),
                           tokens=[np.array(s["tokens"]) for s in g]) for g in groups]
-        with SidecarReader(info["path"]) as stream:  # closed and indexed: no scan
+        with open_sidecar(paths) as stream:
             r3 = stream if a.mode == "r3" else None
             old_lp, old = run(model, replayer, r3, groups, mbs, train=False,
                               record=a.mode == "r2")
