@@ -27,7 +27,7 @@ Conventions (megatron-core, the layout its routers see):
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable, Sequence
+from typing import Any, Callable, Sequence
 
 import numpy as np
 
@@ -35,6 +35,25 @@ from routereplay.errors import AlignmentError
 from routereplay.schema import RoutingSchema
 
 MISSING = -1
+
+
+def host_array(x: Any, what: str) -> np.ndarray:
+    """``x`` (numpy array, sequence, or torch tensor on the CPU) as a numpy array.
+
+    NOTE: alignment and checks run on the host from host data; a tensor on an accelerator
+    would need a device-to-host copy (a synchronisation), so it is refused, not copied.
+
+    Raises:
+        AlignmentError: a tensor on another device than the CPU.
+    """
+    if type(x).__module__.startswith("torch"):
+        dev = getattr(x, "device", None)
+        if dev is not None and getattr(dev, "type", "cpu") != "cpu":
+            raise AlignmentError(f"{what} is a tensor on {dev}: pass the host copy (the batch "
+                                 "before it is moved to the device); routing is aligned on "
+                                 "the host")
+        return x.detach().numpy()
+    return np.asarray(x)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -47,11 +66,14 @@ class Layout:
             record's sequence.
         seq_len: bshd: padded sequence length s (tokens); THD: packed length, at least
             ``cu_seqlens_padded[-1]`` (slots past it are padding; 0 = exactly that).
-        padding: bshd only: "right" (tokens at columns [0, len)) or "left" (at [s - len, s)).
+        padding: bshd only: "right" (tokens at columns [0, len)), "left" (at
+            [s - len, s)) or "mixed" (at [offsets[j], offsets[j] + len): any per-sample
+            placement, e.g. verl's left-padded prompt + right-padded response).
         cu_seqlens_padded: THD only: int [b + 1] start of each sample's padded segment in the
             packed axis (megatron ``PackedSeqParams.cu_seqlens_q_padded``); None = bshd.
         first: first token position of each sample (default 0; > 0 when the trainer drops
             a left part of the sequence).
+        offsets: bshd with ``padding="mixed"`` only: column of each sample's first token.
     """
 
     lengths: tuple[int, ...]
@@ -59,6 +81,7 @@ class Layout:
     padding: str = "right"
     cu_seqlens_padded: tuple[int, ...] | None = None
     first: tuple[int, ...] | None = None
+    offsets: tuple[int, ...] | None = None
 
     def __post_init__(self):
         object.__setattr__(self, "lengths", tuple(int(x) for x in self.lengths))
@@ -82,11 +105,24 @@ class Layout:
                     raise AlignmentError(f"layout: sample #{j} has {n} tokens but its packed "
                                          f"segment [{cu[j]}, {cu[j + 1]}) holds {cu[j + 1] - cu[j]}")
         else:
-            if self.padding not in ("right", "left"):
-                raise AlignmentError(f"layout: padding must be 'right' or 'left', got {self.padding!r}")
+            if self.padding not in ("right", "left", "mixed"):
+                raise AlignmentError(f"layout: padding must be 'right', 'left' or 'mixed', got "
+                                     f"{self.padding!r}")
             if self.lengths and max(self.lengths) > self.seq_len:
                 raise AlignmentError(f"layout: a sample has {max(self.lengths)} tokens but "
                                      f"seq_len is {self.seq_len}")
+        if (self.offsets is not None) != (self.padding == "mixed" and not self.packed):
+            raise AlignmentError("layout: offsets are given with padding='mixed' (bshd), and "
+                                 f"only then (padding={self.padding!r}, offsets={self.offsets})")
+        if self.offsets is not None:
+            off = tuple(int(x) for x in self.offsets)
+            object.__setattr__(self, "offsets", off)
+            if len(off) != len(self.lengths):
+                raise AlignmentError(f"layout: {len(off)} offsets for {len(self.lengths)} samples")
+            for j, (a, n) in enumerate(zip(off, self.lengths)):
+                if a < 0 or a + n > self.seq_len:
+                    raise AlignmentError(f"layout: sample #{j} at columns [{a}, {a + n}) does not "
+                                         f"fit seq_len {self.seq_len}")
 
     @property
     def packed(self) -> bool:
@@ -107,6 +143,76 @@ class Layout:
             cu.append(cu[-1] + -(-int(n) // multiple) * multiple)
         return cls(lengths=tuple(lengths), cu_seqlens_padded=tuple(cu),
                    first=None if first is None else tuple(first))
+
+    @classmethod
+    def from_attention_mask(cls, attention_mask: Any, *, packed: bool = False,
+                            multiple: int = 1, first: Sequence[int] | None = None) -> "Layout":
+        """The layout of a padded batch, from its attention mask.
+
+        Each row's real tokens must be contiguous (left, right or both sides padded: verl's
+        bshd batches put a left-padded prompt before a right-padded response); sample j is
+        row j and its tokens are positions ``first[j], first[j] + 1, ...`` in column order.
+
+        Args:
+            attention_mask: [b, s] of 0/1 or bool (numpy array, or a CPU torch tensor; a 1-D
+                mask is one sample), True/1 = real token. Not the [b, 1, s, s] mask.
+            packed: False: the bshd layout of the batch as it is (``padding`` "right",
+                "left" or "mixed" with per-sample ``offsets``). True: the THD layout the
+                trainer builds by removing the padding and packing the rows in order
+                (megatron ``PackedSeqParams``; verl's remove-padding path), each sample's
+                segment padded to a multiple of ``multiple`` tokens (``2 * cp * tp`` with
+                CP and SP).
+            multiple: see ``packed``.
+            first: first token position of each sample (default 0).
+        Raises:
+            AlignmentError: a mask that is not [b, s] of 0/1, or a row whose real tokens
+                are not contiguous (names the row and the column of the first hole).
+        """
+        m = host_array(attention_mask, "attention_mask")
+        if m.ndim == 1:
+            m = m[None]
+        if m.ndim != 2 or not (m.dtype == bool or m.dtype.kind in "iu"):
+            raise AlignmentError(f"attention_mask must be [b, s] of 0/1 or bool, got "
+                                 f"{m.dtype} {tuple(m.shape)} (the 4-D [b, 1, s, s] mask "
+                                 "is not accepted: pass the 2-D padding mask)")
+        if m.dtype != bool:
+            if m.size and (m.min() < 0 or m.max() > 1):
+                raise AlignmentError("attention_mask holds values other than 0 and 1 (a "
+                                     "segment-id mask of packed rows? give the packed layout "
+                                     "as Layout(lengths, cu_seqlens_padded=...))")
+            m = m != 0
+        b, s = m.shape
+        lengths = m.sum(1)
+        lead = np.where(lengths > 0, m.argmax(1), 0)
+        for j in range(b):
+            n = int(lengths[j])
+            if n and not m[j, lead[j]:lead[j] + n].all():
+                hole = int(lead[j]) + int(np.argmin(m[j, lead[j]:lead[j] + n]))
+                raise AlignmentError(f"attention_mask row {j}: its real tokens are not "
+                                     f"contiguous (column {hole} is padding between real "
+                                     "tokens)")
+        lengths_t = tuple(int(x) for x in lengths)
+        if packed:
+            lay = cls.packed_from_lengths(lengths_t, multiple=multiple, first=first)
+            return lay
+        offsets = tuple(int(x) for x in lead)
+        if all(a == 0 for a in offsets):
+            return cls(lengths=lengths_t, seq_len=s, padding="right",
+                       first=None if first is None else tuple(first))
+        if all(a + n == s for a, n in zip(offsets, lengths_t)):
+            return cls(lengths=lengths_t, seq_len=s, padding="left",
+                       first=None if first is None else tuple(first))
+        return cls(lengths=lengths_t, seq_len=s, padding="mixed", offsets=offsets,
+                   first=None if first is None else tuple(first))
+
+    def columns(self) -> tuple[int, ...]:
+        """bshd: column of each sample's first token; THD: its packed offset
+        (``cu_seqlens_padded[j]``)."""
+        if self.packed:
+            return tuple(self.cu_seqlens_padded[:-1])
+        if self.padding == "mixed":
+            return self.offsets
+        return tuple(0 if self.padding == "right" else self.seq_len - n for n in self.lengths)
 
     def grid(self) -> tuple[np.ndarray, np.ndarray]:
         """(sample, position) of every token slot before any parallel split.
@@ -129,8 +235,7 @@ class Layout:
         s = self.seq_len
         sample = np.full((s, b), MISSING, np.int64)
         pos = np.full((s, b), MISSING, np.int64)
-        for j, n in enumerate(self.lengths):
-            a = 0 if self.padding == "right" else s - n
+        for j, (n, a) in enumerate(zip(self.lengths, self.columns())):
             sample[a:a + n, j] = j
             pos[a:a + n, j] = first[j] + np.arange(n)
         return sample, pos
@@ -381,3 +486,95 @@ def fill_dummy(ids: np.ndarray, num_experts: int) -> np.ndarray:
         r, l = np.nonzero(miss)
         out[r, l] = ((j[r, l][:, None] * k + np.arange(k)[None]) % num_experts).astype(out.dtype)
     return out
+
+
+def tokens_by_sample(layout: Layout, tokens: Any) -> list[np.ndarray]:
+    """Each sample's token ids, in position order, from the microbatch's input ids.
+
+    Args:
+        layout: the microbatch's layout.
+        tokens: host integer ids laid out as the layout says: bshd ``[b, seq_len]``
+            (a [b, s'] tensor with s' >= the columns used is accepted); THD ``[1, t]`` or
+            ``[t]``; or a sequence of ``b`` 1-D arrays, sample j's ids in position order
+            (``lengths[j]`` of them).
+    Returns:
+        int64 [lengths[j]] per sample.
+    Raises:
+        AlignmentError: ``tokens`` do not match the layout (shape, count, non-integer);
+            a tensor on a device (see :func:`host_array`).
+    """
+    b = layout.batch_size
+    if isinstance(tokens, (list, tuple)):
+        if len(tokens) != b:
+            raise AlignmentError(f"tokens: {len(tokens)} sequences for a microbatch of {b} "
+                                 "samples")
+        out = [host_array(t, f"tokens of sample #{j}") for j, t in enumerate(tokens)]
+        for j, (t, n) in enumerate(zip(out, layout.lengths)):
+            if t.ndim != 1 or t.shape[0] != n or (t.size and t.dtype.kind not in "iu"):
+                raise AlignmentError(f"tokens of sample #{j}: {t.dtype} {tuple(t.shape)}, "
+                                     f"expected {n} integer ids (the layout's length)")
+        return [t.astype(np.int64) for t in out]
+    t = host_array(tokens, "tokens")
+    if t.size and t.dtype.kind not in "iu":
+        raise AlignmentError(f"tokens must be integer ids, got {t.dtype}")
+    cols = layout.columns()
+    if layout.packed:
+        if t.ndim == 2 and t.shape[0] == 1:
+            t = t[0]
+        if t.ndim != 1 or t.shape[0] < layout.cu_seqlens_padded[-1]:
+            raise AlignmentError(f"tokens {tuple(t.shape)} do not match the packed layout "
+                                 f"([1, t] with t >= {layout.cu_seqlens_padded[-1]})")
+        return [t[a:a + n].astype(np.int64) for a, n in zip(cols, layout.lengths)]
+    need = max((a + n for a, n in zip(cols, layout.lengths)), default=0)
+    if t.ndim != 2 or t.shape[0] != b or t.shape[1] < need:
+        raise AlignmentError(f"tokens {tuple(t.shape)} do not match the microbatch layout "
+                             f"([b={b}, s={layout.seq_len}])")
+    return [t[j, a:a + n].astype(np.int64) for j, (a, n) in
+            enumerate(zip(cols, layout.lengths))]
+
+
+def check_tokens(layout: Layout, trainer: Sequence[np.ndarray], sample_ids: Sequence[str],
+                 recorded: Callable[[int], np.ndarray | None]) -> int:
+    """Compare the trainer's token ids with the records' before replaying them.
+
+    Args:
+        layout: the microbatch's layout (``first`` places each sample's tokens).
+        trainer: per sample, its token ids (:func:`tokens_by_sample`).
+        sample_ids: record id of each sample.
+        recorded: j -> the record's token ids int [N] (the whole sequence), or None when
+            the routing source holds none for that sample.
+    Returns:
+        number of samples compared (samples with no tokens in the layout are not asked for).
+    Raises:
+        AlignmentError: naming the sample and the first differing token position (and the
+            two ids), a trainer sequence that runs past the record's tokens, or a sample
+            whose record holds no token ids (the check was asked for: never skipped
+            silently).
+    """
+    first = layout.first or (0,) * layout.batch_size
+    checked = 0
+    for j, got in enumerate(trainer):
+        if got.size == 0:
+            continue
+        want = recorded(j)
+        sid = sample_ids[j]
+        if want is None:
+            raise AlignmentError(f"sample {sid!r}: the routing source holds no token ids to "
+                                 "check the trainer's tokens against (record them, or do not "
+                                 "pass tokens for this microbatch)")
+        a = first[j]
+        ref = np.asarray(want)[a:a + got.size]
+        n = min(ref.size, got.size)
+        diff = np.flatnonzero(ref[:n] != got[:n])
+        if diff.size:
+            p = int(diff[0])
+            raise AlignmentError(f"sample {sid!r}, token position {a + p}: the trainer has "
+                                 f"token id {int(got[p])}, the record {int(ref[p])} (the "
+                                 "batch is not the rollout's sequence: shifted, truncated "
+                                 "or another sample)")
+        if got.size > ref.size:
+            raise AlignmentError(f"sample {sid!r}, token position {a + ref.size}: the trainer "
+                                 f"has {a + got.size} tokens, the record ends at "
+                                 f"{len(want)}")
+        checked += 1
+    return checked

@@ -193,7 +193,8 @@ def read_npy_record(f: BinaryIO, size: int, what: str, sample_id: str, schema: R
         if len(buf) != (b - a) * row_bytes:
             raise RecordError(f"{what}: data ends at row {a + len(buf) // row_bytes} of {t}")
         chunk = np.frombuffer(buf, dtype).reshape(b - a, width, schema.top_k)
-        moe = moe_rows(chunk, schema, sample_id, start=a, full_layout=full_layout)
+        moe = moe_rows(chunk, schema, sample_id, start=a, full_layout=full_layout,
+                       check_duplicates=True)
         if out is None:        # NOTE: only once the first chunk holds valid routing
             out = np.empty((t, schema.num_moe_layers, schema.top_k), schema.id_dtype)
         out[a:b] = moe

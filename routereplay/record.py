@@ -373,6 +373,10 @@ def moe_rows(chunk: np.ndarray, schema: RoutingSchema, sample_id: str, *, start:
         RecordError: see :func:`checked_moe_ids` (dense-layer routing, range, duplicates).
     """
     layer_ids = list(schema.moe_layer_ids)
+    moe = chunk[:, layer_ids] if full_layout else chunk
+    first_bad_row(moe, schema, sample_id, start=start, layer_ids=layer_ids,
+                  check_duplicates=check_duplicates, id_hint=id_hint)
+    # NOTE: after the MoE layers' own checks, so an array of sentinels is named as such
     dense = list(schema.dense_layer_ids()) if full_layout else []
     if dense:
         routed = chunk[:, dense].any(-1)                         # [n, L_dense]
@@ -383,9 +387,6 @@ def moe_rows(chunk: np.ndarray, schema: RoutingSchema, sample_id: str, *, start:
                 f"this token to experts {chunk[t, dense[l]].tolist()} on a layer the schema "
                 f"calls dense (MoE layers {_layer_ranges(layer_ids)}): the routing schema does "
                 "not match the model's MoE layer placement")
-    moe = chunk[:, layer_ids] if full_layout else chunk
-    first_bad_row(moe, schema, sample_id, start=start, layer_ids=layer_ids,
-                  check_duplicates=check_duplicates, id_hint=id_hint)
     return moe
 
 

@@ -8,19 +8,31 @@ token positions". Implemented by:
 - :class:`routereplay.sidecar.MultiSidecarReader`: several streams (a folder, a glob, a
   list) read as one, sample ids unique across them;
 - :class:`InMemorySource`: records already in memory (``{sample_id: RoutingRecord}``), e.g.
-  routing an RL framework carries in its own data plane, or an R2 pass;
+  routing an RL framework carries in its own data plane; :meth:`InMemorySource.from_batch`
+  builds one from a batch tensor ``routed_experts [b, s, L, K]`` and its attention mask
+  (verl's layout);
+- :class:`TokenRowSource`: rows as one rank's routers saw them, keyed by (sample, token
+  position, MoE layer): megatron-style per-layer lists (what
+  ``RouterReplay.set_replay_data`` takes) or an R2 recording of the trainer's own routing;
 - :class:`NoRouting`: no routing at all (every row takes the trainer's fallback).
+
+Every source checks the ids it takes or decodes once, with one rule (:func:`checked_ids`):
+integer ids, in ``[0, num_experts)`` before they are narrowed to the schema's id dtype,
+distinct within a row. Sources also answer :meth:`RoutingSource.token_ids` (None when
+they hold none), which the replayer compares with the trainer's tokens when asked to.
 
 Shapes follow the legend in :mod:`routereplay` (T rows, L_moe MoE layers, K = top_k).
 """
 from __future__ import annotations
 
+import dataclasses
 from typing import Iterable, Mapping, Protocol, Sequence, runtime_checkable
 
 import numpy as np
 
-from routereplay.errors import ConfigError, RecordError, UnknownSampleError
-from routereplay.record import RoutingRecord
+from routereplay.align import Layout, Shard, TokenMap, host_array, token_map
+from routereplay.errors import AlignmentError, ConfigError, RecordError, UnknownSampleError
+from routereplay.record import RoutingRecord, checked_moe_ids, eplb_id_hint
 from routereplay.schema import RoutingSchema
 
 # (ids, first): ids of the schema's id dtype [n, len(moe_layers), K] holding token
@@ -60,6 +72,85 @@ class RoutingSource(Protocol):
             UnknownSampleError (a KeyError): no record for ``sample_id``.
             SidecarError: corrupt stored data.
         """
+
+
+# NOTE: sources may also offer ``token_ids(sample_id) -> int [N] | None`` (the whole
+# sequence's token ids, None when the source holds none); see source_token_ids.
+
+
+def checked_ids(ids: object, schema: RoutingSchema, sample_id: str, *, start: int = 0,
+                layer_ids: Sequence[int] | None = None,
+                positions: Sequence[int] | None = None) -> np.ndarray:
+    """The one check every source applies to the ids it takes: integer ids (any width,
+    signed or not; a CPU torch tensor is accepted) of shape [T, L, K], each in
+    ``[0, num_experts)`` (checked before narrowing, which would wrap 258 -> 2 and -1 ->
+    255), distinct within a row.
+
+    Args:
+        ids: int [T, len(layer_ids), K].
+        start: token position of row 0 (for messages).
+        layer_ids: decoder-layer ids of the L layers (default every MoE layer).
+        positions: token position of each row, when the rows are not consecutive
+            positions from ``start`` (for messages).
+    Returns:
+        ``schema.id_dtype`` [T, L, K] (``ids`` itself when it already has that dtype).
+    Raises:
+        RecordError: naming the sample, the token position and the decoder layer of the
+            first bad id (bool, float or other non-integer ids, wrong shape included).
+    """
+    layer_ids = list(schema.moe_layer_ids if layer_ids is None else layer_ids)
+    try:
+        a = host_array(ids, f"sample {sample_id!r}: expert ids")
+    except AlignmentError as e:
+        raise RecordError(str(e)) from None
+    if a.ndim != 3 or a.dtype.kind not in "iu" or a.shape[1:] != (len(layer_ids), schema.top_k):
+        raise RecordError(f"sample {sample_id!r}: expert ids are {a.dtype} {tuple(a.shape)}, "
+                          f"expected integer [T, {len(layer_ids)} MoE layers, "
+                          f"top_k={schema.top_k}]")
+    def where(t: int, lyr: int) -> str:
+        p = start + t if positions is None else int(positions[t])
+        return f"sample {sample_id!r}, token {p}, layer {layer_ids[lyr]}"
+
+    if a.size:
+        bad = ((a < 0) | (a >= schema.num_experts)).reshape(-1)
+        i = int(np.argmax(bad))
+        if bad[i]:
+            t, lyr, k = (int(x) for x in np.unravel_index(i, a.shape))
+            v = int(a[t, lyr, k])
+            raise RecordError(f"{where(t, lyr)}: expert id {v} outside "
+                              f"[0, {schema.num_experts})"
+                              f"{eplb_id_hint(v, a.dtype, schema.num_experts)}")
+    out = a if a.dtype == schema.id_dtype else a.astype(schema.id_dtype)
+    if schema.top_k > 1 and out.size:
+        srt = np.sort(out, axis=-1)
+        dup = (srt[..., 1:] == srt[..., :-1]).any(-1).reshape(-1)
+        i = int(np.argmax(dup))
+        if dup[i]:
+            t, lyr = (int(x) for x in np.unravel_index(i, out.shape[:2]))
+            hint = (" (all-zero row: the capturer was never bound, or a dense layer was read "
+                    "as MoE)" if not out[t, lyr].any() else "")
+            raise RecordError(f"{where(t, lyr)}: duplicate expert ids {out[t, lyr].tolist()} "
+                              f"in one top-k row{hint}")
+    return out
+
+
+def source_token_ids(source: object, sample_id: str) -> np.ndarray | None:
+    """The token ids int [N] a source holds for ``sample_id`` (the whole sequence,
+    positions 0 .. N - 1), or None when it holds none.
+
+    Uses the source's ``token_ids(sample_id)``; a sidecar reader (single or multi-stream)
+    reads the record's ``token_ids`` section only (no routing section is decoded).
+
+    Raises:
+        UnknownSampleError: no such sample. SidecarError: corrupt stored data.
+    """
+    fn = getattr(source, "token_ids", None)
+    if callable(fn):
+        return fn(sample_id)
+    read = getattr(source, "read", None)
+    if callable(read):
+        return read(sample_id, moe_layers=[], arrays=True).token_ids
+    return None
 
 
 def _clip(start: int, num_tokens: int, lo: int, hi: int) -> tuple[int, int]:
@@ -146,8 +237,104 @@ class InMemorySource:
                 raise RecordError(f"key {key!r} holds the record of sample {rec.sample_id!r}")
             if key in self._records:
                 raise RecordError(f"sample {key!r} given twice")
-            rec.validate_ids(schema)
+            ids = checked_ids(rec.expert_ids, schema, key, start=rec.start)
+            if ids is not rec.expert_ids:           # narrowed to the id dtype: a new record
+                rec = dataclasses.replace(rec, expert_ids=ids)
             self._records[key] = rec
+
+    @classmethod
+    def from_batch(cls, routed_experts: object, attention_mask: object,
+                   sample_ids: Sequence[str], schema: RoutingSchema, *,
+                   routing_mask: object = None, input_ids: object = None) -> "InMemorySource":
+        """Records from a padded batch as RL frameworks carry it (verl's
+        ``routed_experts``, aligned with ``input_ids``: prompt left-padded, response
+        right-padded).
+
+        Row j of the batch is sample ``sample_ids[j]``; its real tokens (the attention
+        mask, contiguous) are token positions 0, 1, ... in column order, and
+        ``routed_experts[j, c]`` is the routing of the token in column c.
+
+        Layer axis (NOTE: decided by its size, never guessed from values):
+        ``L = schema.num_moe_layers`` is the MoE layers in order; ``L =
+        schema.num_hidden_layers`` is the engines' layout (vLLM/SGLang: one slot per decoder
+        layer, dense layers zero-filled): the dense layers are stripped by the schema, and
+        a dense-layer slot that holds routing is an error (the schema does not match the
+        model), never dropped. Any other size is refused.
+
+        Args:
+            routed_experts: int [b, s, L, K] (numpy or CPU torch; any integer width).
+            attention_mask: [b, s] 0/1 or bool.
+            sample_ids: the framework's id of each row (unique).
+            routing_mask: [b, s] 0/1 or bool, the columns that carry routing; they must be
+                real tokens and contiguous per row. Default: every real token but the last
+                (the engines record no row for the last sampled token, and verl fills it
+                with a placeholder).
+            input_ids: optional int [b, s]; stored as each record's token ids so the
+                replayer can compare them with the trainer's tokens.
+        Raises:
+            AlignmentError: shapes that do not agree, a non-contiguous mask row, routing
+                columns outside the real tokens or with a hole (naming the sample and the
+                token position).
+            RecordError: an id out of range, repeated in a row, routing on a dense layer
+                (naming the sample, token position and decoder layer).
+        """
+        ids = host_array(routed_experts, "routed_experts")
+        if ids.ndim != 4 or ids.dtype.kind not in "iu" or ids.shape[3] != schema.top_k:
+            raise AlignmentError(f"routed_experts is {ids.dtype} {tuple(ids.shape)}, expected "
+                                 f"integer [b, s, L, top_k={schema.top_k}]")
+        b, s, n_layers, _ = ids.shape
+        if n_layers == schema.num_moe_layers:
+            full = False
+        elif n_layers == schema.num_hidden_layers:
+            full = True
+        else:
+            raise AlignmentError(f"routed_experts has {n_layers} layers: expected the "
+                                 f"{schema.num_moe_layers} MoE layers or all "
+                                 f"{schema.num_hidden_layers} decoder layers of the schema")
+        mask = host_array(attention_mask, "attention_mask")
+        if mask.shape != (b, s):
+            raise AlignmentError(f"attention_mask {tuple(mask.shape)} does not match "
+                                 f"routed_experts [b={b}, s={s}]")
+        if isinstance(sample_ids, (str, bytes)) or len(sample_ids) != b:
+            raise AlignmentError(f"{b} batch rows need {b} sample ids")
+        lay = Layout.from_attention_mask(mask)
+        cols = lay.columns()
+        rmask = None if routing_mask is None else host_array(routing_mask, "routing_mask")
+        if rmask is not None and rmask.shape != (b, s):
+            raise AlignmentError(f"routing_mask {tuple(rmask.shape)} does not match "
+                                 f"routed_experts [b={b}, s={s}]")
+        toks = None if input_ids is None else host_array(input_ids, "input_ids")
+        if toks is not None and (toks.shape != (b, s) or toks.dtype.kind not in "iu"):
+            raise AlignmentError(f"input_ids {toks.dtype} {tuple(toks.shape)} does not match "
+                                 f"routed_experts [b={b}, s={s}]")
+        records = []
+        for j, (sid, a, n) in enumerate(zip(sample_ids, cols, lay.lengths)):
+            sid = str(sid)
+            if rmask is None:
+                start, t = 0, max(n - 1, 0)
+            else:
+                r = rmask[j] != 0
+                outside = r.copy()
+                outside[a:a + n] = False
+                if outside.any():
+                    c = int(np.argmax(outside))
+                    raise AlignmentError(f"sample {sid!r}: routing_mask marks column {c}, a "
+                                         "padding column")
+                pos = np.flatnonzero(r[a:a + n])
+                start, t = (int(pos[0]), pos.size) if pos.size else (0, 0)
+                if t and pos[-1] - pos[0] + 1 != t:
+                    hole = int(pos[np.flatnonzero(np.diff(pos) != 1)[0]]) + 1
+                    raise AlignmentError(f"sample {sid!r}, token position {hole}: no routing "
+                                         "between routed positions (routing rows must be "
+                                         "contiguous)")
+            rows = ids[j, a + start:a + start + t]
+            if full:
+                rows = checked_moe_ids(rows, schema, sid, start=start, full_layout=True)
+            rows = checked_ids(rows, schema, sid, start=start)
+            records.append(RoutingRecord(
+                sid, rows, start=start,
+                token_ids=None if toks is None else toks[j, a:a + n].astype(np.int64)))
+        return cls(records, schema)
 
     def __contains__(self, sample_id: object) -> bool:
         return sample_id in self._records
@@ -176,6 +363,220 @@ class InMemorySource:
         """See :meth:`RoutingSource.fetch`."""
         return rows_of(self.record(sample_id), moe_layers, runs)
 
+    def token_ids(self, sample_id: str) -> np.ndarray | None:
+        """See :meth:`RoutingSource.token_ids`: the record's ``token_ids``."""
+        return self.record(sample_id).token_ids
+
+
+class TokenRowSource:
+    """Routing rows keyed by (sample, token position, MoE layer), as one rank's routers
+    saw them, as a :class:`RoutingSource`.
+
+    Filled microbatch by microbatch from router-order rows and the microbatch's layout:
+    megatron-style per-layer lists (:meth:`add_layer_lists`: what
+    ``RouterReplay.set_replay_data`` takes, one [num_local_tokens, K] tensor per local MoE
+    layer, in the router's token order after packing and the CP/SP splits), or the
+    trainer's own routing recorded in an R2 pass (``RouterReplayer.step(...,
+    record=True)``). Replaying it in a later step re-aligns by (sample, position), so the
+    later step may cut its microbatches differently.
+
+    NOTE: it holds only the rows this rank saw. Each rank must see the same (sample,
+    position) rows and MoE layers when it replays them: same data-parallel assignment and
+    pipeline stage, and with CP or SP the same per-sample split (THD packing with the same
+    segment padding keeps it; bshd needs the same microbatch composition and seq_len). A
+    row asked for that was never added is an error naming the sample, position and
+    layer; a row added as missing (-1) takes the trainer's fallback.
+
+    Args:
+        schema: routing schema of the rows.
+    """
+
+    # per (position, MoE layer) of a sample
+    _UNSEEN, _ROUTED, _NONE = 0, 1, 2
+
+    def __init__(self, schema: RoutingSchema):
+        self.schema = schema
+        self._ids: dict[str, np.ndarray] = {}        # id dtype [P, L_moe, K]
+        self._state: dict[str, np.ndarray] = {}      # uint8 [P, L_moe]
+        self._tokens: dict[str, np.ndarray] = {}
+
+    def add(self, sample_ids: Sequence[str], layout: Layout, tmap: TokenMap, ids: object,
+            moe_layers: Sequence[int], tokens: Sequence[np.ndarray] | None = None) -> None:
+        """Add one microbatch's rows.
+
+        Args:
+            sample_ids: the record id of each sample of the microbatch.
+            layout: its layout (gives each sample's positions, ``first + lengths``).
+            tmap: router row -> (sample, position) (:func:`routereplay.align.token_map`).
+            ids: signed int [N, len(moe_layers), K] in router row order; a row of -1 has no
+                routing (takes the fallback when replayed); padding rows are ignored.
+            moe_layers: positions of the rows' layers on the MoE axis.
+            tokens: optional per-sample token ids (position order, from ``first[j]``),
+                kept for the token check of the replaying step.
+        Raises:
+            AlignmentError: shapes that do not match the token map, a partly missing row, a
+                (sample, position, layer) added twice with different experts.
+            RecordError: see :func:`checked_ids`.
+        """
+        a = host_array(ids, "routing rows")
+        layers = [int(x) for x in moe_layers]
+        if a.ndim != 3 or a.shape != (tmap.num_rows, len(layers), self.schema.top_k) \
+                or a.dtype.kind not in "iu":
+            raise AlignmentError(f"routing rows are {a.dtype} {tuple(a.shape)}, expected "
+                                 f"integer [{tmap.num_rows} router rows, {len(layers)} "
+                                 f"layers, top_k={self.schema.top_k}]")
+        if len(sample_ids) != layout.batch_size:
+            raise AlignmentError(f"{len(sample_ids)} sample ids for a layout of "
+                                 f"{layout.batch_size} samples")
+        first = layout.first or (0,) * layout.batch_size
+        lids = [self.schema.moe_layer_ids[i] for i in layers]
+        for j, sid in enumerate(sample_ids):
+            sid = str(sid)
+            sel = np.flatnonzero(tmap.sample == j)
+            p_end = first[j] + layout.lengths[j]
+            if sid not in self._ids:
+                self._ids[sid] = np.zeros((p_end, self.schema.num_moe_layers,
+                                           self.schema.top_k), self.schema.id_dtype)
+                self._state[sid] = np.zeros((p_end, self.schema.num_moe_layers), np.uint8)
+            elif self._ids[sid].shape[0] < p_end:
+                grow = p_end - self._ids[sid].shape[0]
+                self._ids[sid] = np.concatenate([self._ids[sid], np.zeros(
+                    (grow,) + self._ids[sid].shape[1:], self.schema.id_dtype)])
+                self._state[sid] = np.concatenate([self._state[sid], np.zeros(
+                    (grow, self.schema.num_moe_layers), np.uint8)])
+            if tokens is not None and tokens[j] is not None and len(tokens[j]):
+                t = np.asarray(tokens[j], np.int64)
+                have = self._tokens.get(sid)
+                full = np.full(max(p_end, 0 if have is None else len(have)), -1, np.int64)
+                if have is not None:
+                    full[:len(have)] = have
+                full[first[j]:first[j] + len(t)] = t
+                self._tokens[sid] = full
+            if not sel.size:
+                continue
+            pos = tmap.position[sel]
+            rows = a[sel]                                     # [n, L, K]
+            none = (rows < 0).all(-1)                         # [n, L]
+            part = (rows < 0).any(-1) & ~none
+            if part.any():
+                r, lyr = np.argwhere(part)[0]
+                raise AlignmentError(f"sample {sid!r}, token position {int(pos[r])}, decoder "
+                                     f"layer {lids[lyr]}: row {rows[r, lyr].tolist()} is "
+                                     "partly missing (-1)")
+            # NOTE: rows without routing hold a distinct placeholder while checked; their
+            # state says they are missing.
+            checked = checked_ids(np.where(none[..., None], np.arange(self.schema.top_k), rows),
+                                  self.schema, sid, layer_ids=lids, positions=pos)
+            st = np.where(none, self._NONE, self._ROUTED).astype(np.uint8)
+            old_st = self._state[sid][pos][:, layers]
+            old_ids = self._ids[sid][pos][:, layers]
+            clash = (old_st != self._UNSEEN) & ((old_st != st) | (
+                (st == self._ROUTED) & (old_ids != checked).any(-1)))
+            if clash.any():
+                r, lyr = np.argwhere(clash)[0]
+                raise AlignmentError(f"sample {sid!r}, token position {int(pos[r])}, decoder "
+                                     f"layer {lids[lyr]}: added twice with different routing")
+            ix = np.ix_(pos, layers)
+            self._state[sid][ix] = st
+            self._ids[sid][ix] = checked
+
+    def add_layer_lists(self, sample_ids: Sequence[str], layout: Layout,
+                        per_layer: Sequence[object], moe_layers: Sequence[int],
+                        shard: Shard = Shard(), tokens: Sequence[np.ndarray] | None = None
+                        ) -> None:
+        """Add one microbatch given as megatron's per-layer lists.
+
+        Args:
+            sample_ids, layout: the microbatch (record id of each sample, its layout).
+            per_layer: one int [N, K] per MoE layer this rank holds (numpy or CPU torch),
+                rows in the router's order for ``layout`` and ``shard`` (what
+                ``RouterReplay.set_replay_data`` takes); -1 rows have no routing.
+            moe_layers: the MoE-axis position of each list entry (not megatron's instance
+                order: say which layer each tensor is for).
+            shard: this rank's CP/SP place (routereplay.align.Shard).
+            tokens: optional per-sample token ids, see :meth:`add`.
+        Raises:
+            AlignmentError: a list of the wrong length, tensors whose row count is not the
+                rank's token count for ``layout``; see :meth:`add`.
+        """
+        if len(per_layer) != len(moe_layers):
+            raise AlignmentError(f"{len(per_layer)} per-layer tensors for {len(moe_layers)} "
+                                 "MoE layers")
+        tmap = token_map(layout, shard)
+        arrs = [host_array(x, f"per-layer tensor #{i}") for i, x in enumerate(per_layer)]
+        for i, x in enumerate(arrs):
+            if x.ndim != 2 or x.shape != (tmap.num_rows, self.schema.top_k):
+                raise AlignmentError(f"per-layer tensor #{i} (MoE layer {moe_layers[i]}) is "
+                                     f"{tuple(x.shape)}, expected [{tmap.num_rows} router "
+                                     f"rows, top_k={self.schema.top_k}] for this layout")
+        stacked = np.stack(arrs, 1) if arrs else np.zeros((tmap.num_rows, 0,
+                                                           self.schema.top_k), np.int64)
+        self.add(sample_ids, layout, tmap, stacked, moe_layers, tokens)
+
+    def __contains__(self, sample_id: object) -> bool:
+        return sample_id in self._ids
+
+    def __len__(self) -> int:
+        return len(self._ids)
+
+    def sample_ids(self) -> list[str]:
+        """Sample ids, in the order they were first added."""
+        return list(self._ids)
+
+    def fetch(self, sample_id: str, moe_layers: Sequence[int],
+              runs: Sequence[tuple[int, int]]) -> list[Rows]:
+        """See :meth:`RoutingSource.fetch`.
+
+        Raises:
+            UnknownSampleError: no rows of ``sample_id`` were added.
+            AlignmentError: a wanted (position, layer) that was never added on this rank, a
+                position routed on some of the wanted layers only, or a hole inside a run
+                (naming the sample, position and decoder layer).
+        """
+        if sample_id not in self._ids:
+            raise UnknownSampleError(f"sample {sample_id!r}: no routing rows in the source",
+                                     sample_id)
+        ids, state = self._ids[sample_id], self._state[sample_id]
+        layers, runs = check_fetch_args(moe_layers, runs, self.schema.num_moe_layers)
+        lids = [self.schema.moe_layer_ids[i] for i in layers]
+        p_end = ids.shape[0]
+        out = []
+        for lo, hi in runs:
+            a = min(max(int(lo), 0), p_end)
+            b = min(max(int(hi), a), p_end)
+            st = state[a:b][:, layers]                        # [n, L]
+            unseen = st == self._UNSEEN
+            if unseen.any():
+                r, lyr = np.argwhere(unseen)[0]
+                raise AlignmentError(
+                    f"sample {sample_id!r}, token position {a + int(r)}, decoder layer "
+                    f"{lids[lyr]}: no row was recorded for it on this rank (the rows must "
+                    "come from the same data-parallel rank, pipeline stage and CP/SP split)")
+            routed = st == self._ROUTED
+            some = routed.any(1)
+            if (some != routed.all(1)).any():
+                r = int(np.argmax(some != routed.all(1)))
+                raise AlignmentError(f"sample {sample_id!r}, token position {a + r}: routing "
+                                     "for some of the MoE layers only")
+            pos = np.flatnonzero(some)
+            if not pos.size:
+                out.append((ids[a:a][:, layers], a))
+                continue
+            if pos[-1] - pos[0] + 1 != pos.size:
+                hole = int(pos[np.flatnonzero(np.diff(pos) != 1)[0]]) + 1
+                raise AlignmentError(f"sample {sample_id!r}, token position {a + hole}: no "
+                                     "routing between routed positions")
+            out.append((ids[a + pos[0]:a + pos[-1] + 1][:, layers], a + int(pos[0])))
+        return out
+
+    def token_ids(self, sample_id: str) -> np.ndarray | None:
+        """See :meth:`RoutingSource.token_ids`: the tokens added with the rows (None if
+        none were; -1 at positions no microbatch gave)."""
+        if sample_id not in self._ids:
+            raise UnknownSampleError(f"sample {sample_id!r}: no routing rows in the source",
+                                     sample_id)
+        return self._tokens.get(sample_id)
+
 
 class NoRouting:
     """A source without routing: every sample is present with no rows, so every router
@@ -193,6 +594,10 @@ class NoRouting:
         layers, runs = check_fetch_args(moe_layers, runs, self.schema.num_moe_layers)
         empty = np.zeros((0, len(layers), self.schema.top_k), self.schema.id_dtype)
         return [(empty, lo) for lo, _ in runs]
+
+    def token_ids(self, sample_id: str) -> None:
+        """No token ids (nothing is replayed, so nothing is compared)."""
+        return None
 
 
 def as_source(source: object, schema: RoutingSchema) -> RoutingSource:
@@ -218,5 +623,5 @@ def as_source(source: object, schema: RoutingSchema) -> RoutingSource:
                     "or None)")
 
 
-__all__ = ["RoutingSource", "Rows", "InMemorySource", "NoRouting", "as_source", "rows_of",
-           "check_fetch_args"]
+__all__ = ["RoutingSource", "Rows", "InMemorySource", "TokenRowSource", "NoRouting",
+           "as_source", "rows_of", "checked_ids", "source_token_ids", "check_fetch_args"]

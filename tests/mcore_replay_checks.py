@@ -196,11 +196,16 @@ except AlignmentError as e:
 res["held_after_step"] = len(rep.held)
 
 # -- errors of prefetched microbatches: raised when that microbatch is entered, naming it ---
-from routereplay.errors import UnknownSampleError  # noqa: E402
+# (sample ids are checked at step entry; a token mismatch is found while loading)
 from trainer_hooks.megatron import Microbatch  # noqa: E402
 cfg, model = build()
-bad_mbs = {0: mb[0], 1: Microbatch(sample_ids=(records[0].sample_id, "nope"),
-                                   layout=mb[0].layout)}
+one_each = plan_microbatches(records, spec, 0, 1, "right")
+m0, m1 = one_each.microbatches
+t0 = batch_tensors(m0, one_each.seq_len)
+bad_tokens = m1.records[0].token_ids.copy()
+bad_tokens[3] += 1
+bad_mbs = {0: m0.microbatch(), 1: Microbatch(sample_ids=m1.sample_ids, layout=m1.layout,
+                                             tokens=[bad_tokens])}
 res["prefetch_errors"] = {}
 for ahead in (0, 2):
     rp = RouterReplayer(model, schema, prefetch=ahead)
@@ -210,9 +215,9 @@ for ahead in (0, 2):
             for k in (0, 1):
                 with rp.microbatch(k, model):
                     entered.append(k)
-                    model(t.tokens, t.position_ids, attention_mask=t.attention_mask)
+                    model(t0.tokens, t0.position_ids, attention_mask=t0.attention_mask)
         res["prefetch_errors"][ahead] = {"entered": entered, "error": "none"}
-    except UnknownSampleError as e:
+    except AlignmentError as e:
         res["prefetch_errors"][ahead] = {"entered": entered, "error": str(e),
                                          "prefetched": rp.stats.prefetched}
 

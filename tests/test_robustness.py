@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import struct
 import time
@@ -386,16 +387,20 @@ def test_killed_writer_loses_at_most_the_documented_records(tmp_path, mode, max_
     proc = subprocess.Popen([sys.executable, str(script), str(path), mode, str(max_queue)],
                             stdout=subprocess.PIPE, text=True, env=env)
     try:
-        lines = []
-        while "HANG" not in lines:
-            lines.append(proc.stdout.readline().strip())
+        out = ""
+        while "HANG" not in out:
+            line = proc.stdout.readline()
+            assert line, f"child exited before the hang: {out!r}"
+            out += line
         time.sleep(1.0)              # let the caller's thread run until write() blocks
         proc.send_signal(signal.SIGKILL)
         proc.wait(timeout=30)
-        lines += proc.stdout.read().split()
+        out += proc.stdout.read()
     finally:
         proc.kill()
-    returned = [x for x in lines if x.startswith("k")]
+    # NOTE: the writer thread prints HANG while the caller's thread prints "RET k<i>"; the
+    # two may share a line, so returned ids are found in the whole text, not line by line.
+    returned = re.findall(r"RET (k\d+)", out)
     recovered = SidecarReader(str(path)).sample_ids()
     assert recovered == ["k0"]
     lost = [x for x in returned if x not in recovered]

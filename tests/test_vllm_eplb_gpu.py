@@ -1,6 +1,6 @@
 """GPU check: vLLM with EPLB (redundant experts, rearranged placement), a weight update
 through WeightSync, and the replica refresh. Runs only with ``python -m pytest -m gpu`` on a
-CUDA machine with the GPU build of vLLM (``pip install 'routereplay[engine-gpu]'``).
+CUDA machine with the GPU build of vLLM (``pip install 'routereplay[vllm]'``).
 
 After the engine has rearranged experts (EPLB step interval 1, skewed load), the router
 weights are updated to a v2 checkpoint through WeightSync; the routing and log-probs of a

@@ -27,6 +27,8 @@ from typing import Any, Sequence
 
 import torch
 
+from routereplay.errors import ConfigError
+
 
 def initial_map(num_layers: int, num_logical: int, num_physical: int) -> torch.Tensor:
     """vLLM's initial placement for every layer: int64 [num_layers, num_physical]."""
@@ -71,7 +73,7 @@ def refresh_worker(worker: Any, layer_ids: list[int] | None = None) -> int:
     all; [] = none: nothing moves); 0 when EPLB is off.
 
     Raises:
-        RuntimeError: EPLB is on and the update wrote only some MoE layers' experts (the
+        ConfigError: EPLB is on and the update wrote only some MoE layers' experts (the
             refresh moves whole placements; send every MoE layer's experts or none).
     """
     runner = getattr(worker, "model_runner", None)
@@ -82,7 +84,7 @@ def refresh_worker(worker: Any, layer_ids: list[int] | None = None) -> int:
     moe = {int(m.group(1)) for name, _ in model.named_modules()
            if (m := re.search(r"layers\.(\d+)\.mlp\.experts$", name))}
     if layer_ids is not None and not moe <= set(layer_ids):
-        raise RuntimeError("EPLB replica refresh after a partial expert update "
+        raise ConfigError("EPLB replica refresh after a partial expert update "
                            f"(layers {layer_ids}) is not supported: send every MoE layer's "
                            "expert weights, or none")
     from vllm.distributed.parallel_state import get_ep_group

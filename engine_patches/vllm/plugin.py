@@ -79,10 +79,11 @@ class SidecarRef(str):
         may contain ``#``, stream paths may not).
 
         Raises:
-            ValueError: not a routereplay reference.
+            ConfigError (a ValueError): not a routereplay reference.
         """
         if not ref.startswith(SidecarRef.PREFIX) or "#" not in ref:
-            raise ValueError(f"not a routereplay sidecar reference: {ref[:80]!r}")
+            from routereplay.errors import ConfigError
+            raise ConfigError(f"not a routereplay sidecar reference: {ref[:80]!r}")
         stream, _, sid = ref[len(SidecarRef.PREFIX):].partition("#")
         return stream, sid
 

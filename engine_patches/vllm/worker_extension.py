@@ -34,6 +34,7 @@ import re
 from typing import Any
 
 from engine_patches.vllm import installed_vllm_version
+from routereplay.errors import ConfigError
 
 METHODS = ("routereplay_reprepack_cpu_moe", "routereplay_load_tensors",
            "routereplay_load_tensors_file", "routereplay_refresh_eplb")
@@ -117,11 +118,11 @@ def with_routereplay(cls: type) -> type:
     ``worker_extension_cls``.
 
     Raises:
-        TypeError: ``cls`` already defines a method of ours with other code.
+        ConfigError: ``cls`` already defines a method of ours with other code.
     """
     clash = [m for m in METHODS if m in getattr(cls, "__dict__", {})]
     if clash:
-        raise TypeError(f"{cls.__name__} already defines {clash}: cannot add routereplay's")
+        raise ConfigError(f"{cls.__name__} already defines {clash}: cannot add routereplay's")
     if issubclass(cls, RouteReplayWorkerMixin):
         return cls
     return type(f"{cls.__name__}WithRouteReplay", (cls, RouteReplayWorkerMixin),

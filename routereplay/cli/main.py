@@ -83,7 +83,7 @@ def _cmd_demo(a: argparse.Namespace) -> int:
                      engine_dtype=a.engine_dtype, router_perturb=a.router_perturb,
                      router_select_noise=a.router_select_noise,
                      trainer_parallel=a.trainer_parallel, update_midway=a.update_midway,
-                     seed=a.seed, workdir=a.workdir)
+                     seed=a.seed, workdir=a.workdir, progress=not a.no_progress)
     print("routereplay demo: building/loading the model, rolling out in vLLM, recomputing in "
           "megatron-core (about 2-4 minutes on 2 CPU cores) ...", file=sys.stderr, flush=True)
     from routereplay.errors import SchemaError
@@ -336,17 +336,17 @@ def _cmd_verify(a: argparse.Namespace) -> int:
                                                       device=a.device,
                                                       progress=not a.no_progress))
     else:
-        import subprocess
         import tempfile
+
+        from routereplay.cli.stage import run_stage
         with tempfile.TemporaryDirectory() as tmp:
             out = os.path.join(tmp, "r.json")
             cmd = [sys.executable, "-m", "trainer_hooks.megatron.harness.recompute",
                    "--model", a.model, "--sidecar", a.sidecar, "--out", out]
             if a.limit:
                 cmd += ["--limit", str(a.limit)]
-            p = subprocess.run(cmd, capture_output=True, text=True, timeout=a.timeout)
-            if p.returncode != 0:
-                raise RouteReplayError(f"megatron-core recompute failed: {p.stderr[-2000:]}")
+            run_stage("megatron-core recompute", cmd, env=None, timeout=a.timeout,
+                      log=os.path.join(tmp, "recompute.log"), progress=not a.no_progress)
             # NOTE: the recompute computed the metrics (verify.summarize) once, from the
             # experts in router column order; they are read back, not recomputed.
             summary = verify.load_summary(out)

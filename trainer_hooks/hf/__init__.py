@@ -7,22 +7,16 @@ Importing checks the installed version and raises ImportError on another.
 """
 from __future__ import annotations
 
-from importlib import metadata
+from routereplay.version_gate import require
 
-SUPPORTED = ((5, 0), (6, 0))
+SUPPORTED = ">=5,<6"
 
 
 def transformers_version() -> str:
-    """Installed transformers version; ImportError if absent or unsupported."""
-    try:
-        v = metadata.version("transformers")
-    except metadata.PackageNotFoundError:
-        raise ImportError("trainer_hooks.hf needs transformers: pip install 'transformers>=5'") from None
-    mm = tuple(int(x) for x in v.split("+")[0].split(".")[:2] if x.isdigit())
-    if not (SUPPORTED[0] <= mm < SUPPORTED[1]):
-        raise ImportError(f"transformers {v} is not supported by trainer_hooks.hf: need 5.x "
-                          "(MoE blocks with a TopKRouter returning logits, weights, indices)")
-    return v
+    """Installed transformers version; ImportError if absent or unsupported (5.x: MoE
+    blocks with a TopKRouter returning logits, weights, indices)."""
+    return require(("transformers",), SUPPORTED, what="trainer_hooks.hf",
+                   hint="pip install 'routereplay[verify]'")
 
 
 TRANSFORMERS_VERSION = transformers_version()

@@ -5,8 +5,9 @@ that ``forward_backward_func`` gets, one chunk without VPP)::
 
     replayer = RouterReplayer(model, schema)
     batches = {k: Microbatch(sample_ids=[...], layout=Layout(...)) for k in range(num_mb)}
-    with replayer.step(SidecarReader(path), batches):
+    with replayer.step(SidecarReader(path), batches) as step:
         forward_backward_func(forward_step_func=forward_step, model=model, ...)
+    logger.log(step.stats.as_metrics())
 
     def forward_step(data_iterator, chunk):
         mb = next(data_iterator)
@@ -32,9 +33,19 @@ How it works (and why it is right under 1F1B, interleaved VPP and activation rec
   routing only for the microbatches in flight (and the ones prefetched).
 - The recompute forward reuses the exact expert ids the first forward used (replayed rows
   and per-token fallback rows alike), so backward follows the forward's path.
-- megatron-core's ``RouterReplay.get_replay_topk`` is swapped for the duration of
-  :meth:`RouterReplayer.step` only, and only routers registered with this replayer are
-  affected; MTP routers keep their own routing (they are never fed backbone routes).
+- For the duration of :meth:`RouterReplayer.step` only, the ``RouterReplay`` instances of
+  the routers this replayer found in the model (looked up again at every step) get their
+  own ``get_replay_topk``; the class, other models' routers and megatron's replay state
+  (actions, indices, set through ``RouterReplay.set_replay_data`` /
+  ``set_global_router_replay_action``) are untouched, and the state of our routers'
+  instances is restored on exit. MTP routers keep their own routing (never fed backbone
+  routes).
+- After each microbatch's forward, every MoE router of the chunk must have selected through
+  the replayer (host bookkeeping): a microbatch with routing whose routers were not reached
+  (a decoder rebuilt inside the step) is an error naming it, never a silent no-op.
+- R2: ``step(None, mbs, record=True)`` records the routing every router used (the trainer's
+  own) into a :class:`routereplay.source.TokenRowSource` keyed by (sample, position,
+  layer); ``step(recorded.source(), mbs2)`` replays it with the same alignment and checks.
 
 GPU hot path (DESIGN.md): a router call reads nothing back from the device. Which layers
 have rows without routing, and how many rows are replayed or fall back, is known on the host
@@ -53,6 +64,7 @@ from __future__ import annotations
 import concurrent.futures
 import contextlib
 import dataclasses
+import functools
 import threading
 import time
 from typing import Any, Callable, Iterator, Mapping, Sequence
@@ -61,9 +73,13 @@ import numpy as np
 import torch
 
 from routereplay import align
-from routereplay.errors import AlignmentError, ConfigError, RouteReplayError, SchemaError
+from routereplay.errors import (AlignmentError, ConfigError, RouteReplayError, SchemaError,
+                                UnknownSampleError)
 from routereplay.schema import RoutingSchema, schema_layers_for
-from routereplay.source import RoutingSource, as_source
+from routereplay.source import (NoRouting, RoutingSource, TokenRowSource, as_source,
+                                source_token_ids)
+
+_ABSENT = object()
 
 # own_topk(scores [N, E], topk, num_groups, group_topk, default_compute_topk)
 #   -> (probs [N, K], ids int64 [N, K]); megatron's RouterReplay.get_replay_topk arguments.
@@ -98,10 +114,21 @@ class Microbatch:
     Attributes:
         sample_ids: record id of each sample, in batch order (sample j of the layout).
         layout: the trainer's token layout of the microbatch (routereplay.align.Layout).
+        tokens: optional host token ids of the microbatch, compared with the records'
+            token ids before replay (a mismatch is an error naming the sample and the first
+            differing position): the input ids as the layout lays them out (bshd
+            ``[b, s]``, THD ``[1, t]``; numpy or a CPU tensor, i.e. the batch before it is
+            moved to the device) or one 1-D array per sample; kept as one int64 array per
+            sample (:func:`routereplay.align.tokens_by_sample`).
+    Raises:
+        AlignmentError: sample ids that are a string or do not match the layout's sample
+            count; tokens that do not match the layout.
     """
 
     sample_ids: tuple[str, ...]
     layout: align.Layout
+    tokens: tuple[np.ndarray, ...] | None = dataclasses.field(default=None, compare=False,
+                                                                repr=False)
 
     def __post_init__(self):
         if isinstance(self.sample_ids, (str, bytes)):
@@ -110,6 +137,35 @@ class Microbatch:
         if len(self.sample_ids) != self.layout.batch_size:
             raise AlignmentError(f"microbatch names {len(self.sample_ids)} samples but its "
                                  f"layout has {self.layout.batch_size}")
+        if self.tokens is not None:
+            object.__setattr__(self, "tokens",
+                               tuple(align.tokens_by_sample(self.layout, self.tokens)))
+
+    @classmethod
+    def from_attention_mask(cls, sample_ids: Sequence[str], attention_mask: Any, *,
+                            input_ids: Any = None, packed: bool = False,
+                            multiple: int = 1) -> "Microbatch":
+        """A microbatch of a padded batch (verl's bshd layout: left-padded prompt,
+        right-padded response), laid out as the trainer feeds it: as is (bshd) or with the
+        padding removed and the rows packed (THD, ``packed=True``, segments padded to a
+        multiple of ``multiple``); see :meth:`routereplay.align.Layout.from_attention_mask`.
+
+        Args:
+            sample_ids: record id of each row.
+            attention_mask: host [b, s] 0/1 or bool.
+            input_ids: optional host int [b, s]; checked against the records' token ids.
+        """
+        layout = align.Layout.from_attention_mask(attention_mask, packed=packed,
+                                                  multiple=multiple)
+        tokens = None
+        if input_ids is not None:
+            ids = align.host_array(input_ids, "input_ids")
+            mask = align.host_array(attention_mask, "attention_mask")
+            if ids.shape != mask.shape:
+                raise AlignmentError(f"input_ids {tuple(ids.shape)} and attention_mask "
+                                     f"{tuple(mask.shape)} differ in shape")
+            tokens = [row[m != 0] for row, m in zip(ids, mask)]
+        return cls(sample_ids=tuple(sample_ids), layout=layout, tokens=tokens)
 
 
 @dataclasses.dataclass
@@ -136,6 +192,10 @@ class ReplayStats:
         wait_seconds: time ``microbatch()`` blocked its caller: waiting for, or doing, the
             load, and starting the host-to-device copy (seconds).
         select_seconds: time spent in the routers' replay selection (seconds).
+        token_checked_samples: samples whose trainer tokens were compared with the
+            records' token ids (microbatches given ``tokens``).
+        recorded_rows: (token, layer) rows recorded for R2 (``step(..., record=True)``),
+            padding rows excluded.
     """
 
     bytes_decoded: int = 0
@@ -150,11 +210,65 @@ class ReplayStats:
     load_seconds: float = 0.0
     wait_seconds: float = 0.0
     select_seconds: float = 0.0
+    token_checked_samples: int = 0
+    recorded_rows: int = 0
 
     @property
     def blocking_seconds(self) -> float:
         """Time the replayer kept the training loop's thread busy: wait + select (seconds)."""
         return self.wait_seconds + self.select_seconds
+
+    def as_metrics(self, prefix: str = "routereplay/") -> dict[str, float]:
+        """The step's counters as a flat ``{name: number}`` dict for a metrics logger
+        (``wandb.log(stats.as_metrics(), step=...)``, TensorBoard ``add_scalar`` per item).
+
+        Keys (after ``prefix``): ``replayed_fraction`` / ``fallback_fraction`` (of the
+        (token, layer) rows, padding excluded; 0.0 when there were none), ``replayed_rows``,
+        ``fallback_rows``, ``dropped_assignments``, ``bytes_decoded`` (bytes),
+        ``peak_bytes_held`` (bytes), ``blocking_seconds``, ``wait_seconds``,
+        ``select_seconds``, ``load_seconds`` (seconds), ``microbatches``,
+        ``token_checked_samples``, ``recorded_rows``.
+        """
+        rows = self.replayed_rows + self.fallback_rows
+        m = {"replayed_fraction": self.replayed_rows / rows if rows else 0.0,
+             "fallback_fraction": self.fallback_rows / rows if rows else 0.0,
+             "replayed_rows": self.replayed_rows, "fallback_rows": self.fallback_rows,
+             "dropped_assignments": self.dropped_assignments,
+             "bytes_decoded": self.bytes_decoded, "peak_bytes_held": self.peak_bytes_held,
+             "blocking_seconds": self.blocking_seconds, "wait_seconds": self.wait_seconds,
+             "select_seconds": self.select_seconds, "load_seconds": self.load_seconds,
+             "microbatches": self.microbatches,
+             "token_checked_samples": self.token_checked_samples,
+             "recorded_rows": self.recorded_rows}
+        return {prefix + k: v for k, v in m.items()}
+
+
+class ReplayStep:
+    """What :meth:`RouterReplayer.step` yields.
+
+    Attributes:
+        stats: the step's :class:`ReplayStats` (final once the step has exited).
+        recording: whether the step records routing (``record=True``).
+    """
+
+    def __init__(self, stats: ReplayStats, recording: bool):
+        self.stats = stats
+        self.recording = recording
+        self._source: TokenRowSource | None = None
+
+    def source(self) -> TokenRowSource:
+        """R2: the routing every router used in the step, keyed by (sample, token position,
+        MoE layer), as a routing source for a later ``step()`` (same rank).
+
+        Raises:
+            ReplayStateError: the step did not record, has not exited yet, or failed.
+        """
+        if not self.recording:
+            raise ReplayStateError("this step did not record: use step(..., record=True)")
+        if self._source is None:
+            raise ReplayStateError("the recorded source exists once the recording step has "
+                                   "exited without an error")
+        return self._source
 
 
 @dataclasses.dataclass(frozen=True)
@@ -306,9 +420,25 @@ class RouterReplayer:
         self._count_drops = getattr(cfg, "moe_expert_capacity_factor", None) is not None
         self.own_topk: TopK = megatron_topk
         self.on_used: Callable[..., None] | None = None
-        self.layers: list[list[tuple[Any, int]]] = []
-        self.mtp_routers: list[Any] = []
-        self._where: dict[int, tuple[int, int]] = {}      # id(router) -> (chunk, local layer)
+        self._discover()
+        self._dtype = align.replay_dtype(schema.num_experts)
+        self.stats = ReplayStats()
+        self._lock = threading.Lock()
+        self._active = False
+        self._held: dict[tuple[Any, int], _Held] = {}
+        self._fwd: list[Any] = [None] * len(self.chunks)
+        self._bwd: list[Any] = [None] * len(self.chunks)
+
+    def _discover(self) -> None:
+        """Find the model's MoE routers now (at construction and again at every
+        :meth:`step`, so a decoder rebuilt after set-up is replayed into, not bypassed).
+
+        Raises:
+            SchemaError: a router without layer_number, or whose layer is not an MoE layer
+                of the schema.
+        """
+        layers: list[list[tuple[Any, int]]] = []
+        mtp: list[Any] = []
         for ch in self.chunks:
             mine = []
             for name, m in ch.named_modules():
@@ -317,25 +447,19 @@ class RouterReplayer:
                 if "mtp" in name.split("."):
                     # NOTE: MTP layers reuse decoder layer numbers (NeMo-RL PR #3903): never
                     # feed them backbone routes.
-                    self.mtp_routers.append(m)
+                    mtp.append(m)
                     continue
                 if not getattr(m, "layer_number", None):
                     raise SchemaError(f"router {name} has no layer_number")
                 mine.append((m, int(m.layer_number) - 1))
             mine.sort(key=lambda t: t[1])
-            self.layers.append(mine)
-        for ci, mine in enumerate(self.layers):
-            for li, (router, _) in enumerate(mine):
-                self._where[id(router)] = (ci, li)
-        self.record_layers = [schema_layers_for(schema, [lid for _, lid in ch])
-                              for ch in self.layers]
-        self._dtype = align.replay_dtype(schema.num_experts)
-        self.stats = ReplayStats()
-        self._lock = threading.Lock()
-        self._active = False
-        self._held: dict[tuple[Any, int], _Held] = {}
-        self._fwd: list[Any] = [None] * len(self.chunks)
-        self._bwd: list[Any] = [None] * len(self.chunks)
+            layers.append(mine)
+        record_layers = [schema_layers_for(self.schema, [lid for _, lid in ch])
+                         for ch in layers]
+        self.layers, self.mtp_routers, self.record_layers = layers, mtp, record_layers
+        self._where: dict[int, tuple[int, int]] = {   # id(router) -> (chunk, local layer)
+            id(router): (ci, li) for ci, mine in enumerate(layers)
+            for li, (router, _) in enumerate(mine)}
 
     # -- public read-only views ---------------------------------------------------------
     @property
@@ -369,36 +493,58 @@ class RouterReplayer:
     # -- step -------------------------------------------------------------------------
     @contextlib.contextmanager
     def step(self, source: Any, microbatches: Mapping[Any, Microbatch] | Sequence[Microbatch],
-             shard: align.Shard | None = None) -> Iterator["RouterReplayer"]:
-        """Replay for one training or log-prob step; every state is cleared on exit.
+             shard: align.Shard | None = None, *, record: bool = False
+             ) -> Iterator["ReplayStep"]:
+        """Replay for one training or log-prob step; every state of the replayer is cleared
+        on exit, and megatron's own replay state of its routers is restored.
+
+        On entry, before any compute: the model's routers are found again (a decoder
+        rebuilt since the replayer was built is replayed into), and every sample id of the
+        step is checked: present in the source (for samples with tokens in their layout)
+        and named once in the step.
 
         Args:
             source: a routing source (routereplay.source.RoutingSource: a
-                ``SidecarReader``, an ``InMemorySource``), a mapping sample id ->
-                RoutingRecord, or None (no routing: every row takes the fallback, i.e. the
-                trainer's own routing). The prefetch thread is the only one that reads it
-                during the step.
+                ``SidecarReader``, ``MultiSidecarReader``, ``InMemorySource``,
+                ``TokenRowSource``), a mapping sample id -> RoutingRecord, or None (no
+                routing: every row takes the fallback, i.e. the trainer's own routing).
+                The prefetch thread is the only one that reads it during the step.
             microbatches: key -> Microbatch, in the order the schedule runs them (a sequence
                 is keyed by index); prefetch follows this order.
             shard: this rank's CP/SP place (default: read from megatron's parallel_state
                 and the config's sequence_parallel).
+            record: R2: record the routing every router used in its first forward
+                (the source's rows and fallback rows alike: with ``source=None`` the
+                trainer's own routing) into a :class:`routereplay.source.TokenRowSource`,
+                returned by ``ReplayStep.source()`` after the step, to replay in a later
+                step (with the microbatches' tokens, for its token check).
+        Yields:
+            a :class:`ReplayStep` (its ``stats``; ``source()`` after a recording step).
         Raises:
             ReplayStateError (a RuntimeError): nested steps, or another replayer replaying
                 into this model.
+            UnknownSampleError (a KeyError): sample ids missing from the source (names them
+                with their microbatch keys).
+            AlignmentError: a sample id named twice in the step (names both places).
+            ConfigError: ``record`` with ``fallback="dummy"``.
             SchemaError / RecordError / ConfigError: see routereplay.source.as_source.
         """
         if self._active:
             raise ReplayStateError("RouterReplayer.step is not re-entrant")
+        if record and self.fallback != "own":
+            raise ConfigError("step(record=True) records the trainer's own routing for R2: "
+                              "build the replayer with fallback='own'")
+        self._discover()
         for layers in self.layers:
             for router, _ in layers:
                 other = getattr(router.router_replay, "_rr_slot", None)
                 if other is not None:
                     raise ReplayStateError("another RouterReplayer is replaying into this "
                                            "model: one step at a time per model")
-        from megatron.core.transformer.moe.router_replay import RouterReplay
         self._source: RoutingSource = as_source(source, self.schema)
         self._mbs = dict(enumerate(microbatches)) if not isinstance(microbatches, Mapping) \
             else dict(microbatches)
+        self._check_samples()
         self._order = list(self._mbs)
         self._pos = {k: i for i, k in enumerate(self._order)}
         self._shard = shard or _current_shard(self.config)
@@ -410,51 +556,60 @@ class RouterReplayer:
         self._bwd = [None] * len(self.chunks)
         self._routed: dict[torch.device, torch.Tensor] = {}   # device sums of routing maps
         self._expected_routed = 0
+        self._record = record
+        self._recorded: list[tuple[Any, int, align.TokenMap, torch.Tensor]] = []
         self.stats = ReplayStats()
-        orig = RouterReplay.get_replay_topk
-        replayer = self
+        handle = ReplayStep(self.stats, record)
 
-        def get_replay_topk(inst, scores, topk, num_groups=None, group_topk=None,
-                            default_compute_topk=None):
-            slot = getattr(inst, "_rr_slot", None)
-            if slot is None or slot[0] is not replayer:
-                return orig(inst, scores, topk, num_groups, group_topk, default_compute_topk)
-            return replayer._select(slot[1], slot[2], scores, topk, num_groups, group_topk,
-                                    default_compute_topk)
+        # NOTE: megatron calls ``router_replay.get_replay_topk(...)`` on the instance, so the
+        # replayer's routers get an instance attribute for the step; the class, every other
+        # model's routers and megatron's replay state (action, target and recorded indices,
+        # backward list) are left as they are, and the state of our routers' instances is
+        # put back on exit, whatever ran in between.
+        patched: list[tuple[Any, Any, tuple]] = []
+
+        def patch(rr: Any, ci: int | None, li: int | None) -> None:
+            patched.append((rr, rr.__dict__.get("get_replay_topk", _ABSENT), (
+                rr.router_replay_action, rr.target_topk_idx, rr.recorded_topk_idx,
+                list(rr.replay_backward_list))))
+            rr.get_replay_topk = functools.partial(self._select, ci, li)
+            rr._rr_slot = (self, ci, li)
 
         hooks = []
-        for ci, ch in enumerate(self.chunks):
-            for li, (router, _) in enumerate(self.layers[ci]):
-                router.router_replay._rr_slot = (self, ci, li)
-                if self._count_drops:
-                    hooks.append(router.register_forward_hook(self._router_hook))
-            for router in self.mtp_routers:
-                router.router_replay._rr_slot = (self, None, None)
-            hooks.append(ch.register_forward_hook(self._chunk_output_hook(ci)))
-            first = _first_decoder_layer(ch)
-            if first is not None:
-                hooks.append(first.register_forward_pre_hook(self._layer_input_hook(ci),
-                                                             with_kwargs=True))
-        RouterReplay.get_replay_topk = get_replay_topk
-        self._active = True
         try:
+            for ci, ch in enumerate(self.chunks):
+                for li, (router, _) in enumerate(self.layers[ci]):
+                    patch(router.router_replay, ci, li)
+                    if self._count_drops:
+                        hooks.append(router.register_forward_hook(self._router_hook))
+                hooks.append(ch.register_forward_hook(self._chunk_output_hook(ci)))
+                first = _first_decoder_layer(ch)
+                if first is not None:
+                    hooks.append(first.register_forward_pre_hook(self._layer_input_hook(ci),
+                                                                 with_kwargs=True))
+            for router in self.mtp_routers:
+                patch(router.router_replay, None, None)
+            self._active = True
             if self.prefetch:
                 self._pool = concurrent.futures.ThreadPoolExecutor(
                     max_workers=1, thread_name_prefix="routereplay-prefetch")
                 for ci in range(len(self.chunks)):
                     self._prefetch_from(0, ci)
-            yield self
+            yield handle
+            if record:
+                handle._source = self._recorded_source()
         finally:
-            RouterReplay.get_replay_topk = orig
             for h in hooks:
                 h.remove()
-            for ci in range(len(self.chunks)):
-                for router, _ in self.layers[ci]:
-                    router.router_replay._rr_slot = None
-            for router in self.mtp_routers:
-                router.router_replay._rr_slot = None
-            RouterReplay.clear_global_router_replay_action()
-            RouterReplay.clear_global_indices()
+            for rr, attr, state in reversed(patched):
+                if attr is _ABSENT:
+                    rr.__dict__.pop("get_replay_topk", None)
+                else:
+                    rr.get_replay_topk = attr
+                rr._rr_slot = None
+                (rr.router_replay_action, rr.target_topk_idx, rr.recorded_topk_idx,
+                 backward) = state
+                rr.replay_backward_list = backward
             if self._pool is not None:
                 # NOTE: the source is not read after step() returns: queued loads are
                 # cancelled, a running one is waited for.
@@ -462,6 +617,7 @@ class RouterReplayer:
                 self._pool = None
             self._pending.clear()
             self._held.clear()
+            self._recorded = []
             self.stats.bytes_held = 0
             if self._routed:
                 # the one read-back of the step (capacity factor only)
@@ -470,6 +626,45 @@ class RouterReplayer:
             self._routed = {}
             self._source = None
             self._active = False
+
+    def _check_samples(self) -> None:
+        """Every sample of the step with tokens in its layout is in the source, and no
+        sample id is named twice (checked at step entry, before any compute)."""
+        seen: dict[str, tuple[Any, int]] = {}
+        missing: list[tuple[str, Any]] = []
+        for key, mb in self._mbs.items():
+            if not isinstance(mb, Microbatch):
+                raise ConfigError(f"microbatch {key!r}: expected a Microbatch, got "
+                                  f"{type(mb).__name__}")
+            for j, (sid, n) in enumerate(zip(mb.sample_ids, mb.layout.lengths)):
+                if n == 0:
+                    continue                     # an empty slot: nothing is fetched
+                if sid in seen:
+                    k0, j0 = seen[sid]
+                    raise AlignmentError(f"sample {sid!r} is named twice in the step: "
+                                         f"microbatch {k0!r} slot {j0} and microbatch "
+                                         f"{key!r} slot {j} (one forward per sample and step)")
+                seen[sid] = (key, j)
+                if sid not in self._source:
+                    missing.append((sid, key))
+        if missing:
+            more = f" and {len(missing) - 8} more" if len(missing) > 8 else ""
+            named = ", ".join(f"{sid!r} (microbatch {key!r})" for sid, key in missing[:8])
+            raise UnknownSampleError(f"{len(missing)} sample(s) of the step are not in the "
+                                     f"routing source: {named}{more}", missing[0][0])
+
+    def _recorded_source(self) -> TokenRowSource:
+        """The R2 rows of the step as a source (one synchronisation, at step exit, for the
+        device-to-host copies started at each microbatch's end)."""
+        if any(d.type == "cuda" for d in self._devices):
+            torch.cuda.synchronize()
+        src = TokenRowSource(self.schema)
+        for key, ci, tmap, host in self._recorded:
+            mb = self._mbs[key]
+            tokens = mb.tokens if ci == 0 else None
+            src.add(mb.sample_ids, mb.layout, tmap, host.numpy(), self.record_layers[ci],
+                    tokens=tokens)
+        return src
 
     @contextlib.contextmanager
     def microbatch(self, key: Any, chunk: Any = None) -> Iterator[None]:
@@ -514,11 +709,49 @@ class RouterReplayer:
         self._fwd[ci] = key
         try:
             yield
+            h = self._held.get((key, ci))
+            if h is not None:
+                self._check_reached(key, ci, h)
+                if self._record:
+                    self._record_used(key, ci, h)
         finally:
             self._fwd[ci] = None
             h = self._held.get((key, ci))
             if h is not None and not h.backward:
                 self._release(key, ci)      # forward-only pass (or no graph): done
+
+    def _check_reached(self, key: Any, ci: int, h: "_Held") -> None:
+        """After a microbatch's forward: every MoE router of the chunk selected through the
+        replayer (host bookkeeping only, no device read). NOTE: a router the replayer does
+        not know (model.decoder rebuilt inside the step) routes on its own: the replayed
+        rows would silently not be used."""
+        n = len(self.layers[ci])
+        if len(h.used) == n or not (sum(h.loaded.replayed) or self._record):
+            return
+        missed = [self.layers[ci][li][1] for li in range(n) if li not in h.used]
+        raise ReplayStateError(
+            f"{self._where_named(key, ci)}: the forward reached {len(h.used)} of the "
+            f"replayer's {n} MoE routers (decoder layers {missed} never selected through it), "
+            "so its routing was not replayed there: the model's routers are not the ones "
+            "the replayer found when step() was entered (e.g. model.decoder rebuilt), or "
+            "the model was not called inside microbatch()")
+
+    def _record_used(self, key: Any, ci: int, h: "_Held") -> None:
+        """R2: start the copy of the experts this microbatch used to the host (non-blocking
+        into pinned memory; waited for once, at step exit)."""
+        n = len(self.layers[ci])
+        if not n:
+            return
+        used = torch.stack([h.used[li] for li in range(n)], 1).to(
+            torch.int16 if self._dtype == np.int16 else torch.int32)       # [N, L_local, K]
+        if used.device.type == "cpu":
+            host = used.clone()
+        else:
+            host = torch.empty(used.shape, dtype=used.dtype, pin_memory=True)
+            host.copy_(used, non_blocking=True)
+        self._recorded.append((key, ci, h.loaded.tmap, host))
+        real = int((h.loaded.tmap.sample >= 0).sum())
+        self.stats.recorded_rows += real * n
 
     # -- internals: loading ---------------------------------------------------------------
     def _chunk_index(self, chunk: Any) -> int:
@@ -567,6 +800,13 @@ class RouterReplayer:
             decoded += sum(ids.nbytes for ids, _ in rows)
             return rows
 
+        if ci == 0 and mb.tokens is not None and not isinstance(self._source, NoRouting):
+            # NOTE: once per microbatch (chunk 0), on the loading thread, before replay
+            checked = align.check_tokens(
+                mb.layout, mb.tokens, mb.sample_ids,
+                lambda j: source_token_ids(self._source, mb.sample_ids[j]))
+            with self._lock:
+                self.stats.token_checked_samples += checked
         ids = align.gather_rows(tmap, fetch, len(moe_layers), self.schema.top_k, self._dtype)
         lids = [lid for _, lid in self.layers[ci]]
         if self.validate:

@@ -12,6 +12,6 @@ from routereplay.version_gate import require
 SUPPORTED = ">=0.16,<0.20"
 
 MCORE_VERSION = require(("megatron-core",), SUPPORTED, what="trainer_hooks.megatron",
-                        hint="pip install 'routereplay[trainer]'")
+                        hint="pip install 'routereplay[megatron]'")
 
 __all__ = ["MCORE_VERSION", "SUPPORTED"]

@@ -7,13 +7,14 @@ so that a hang fails fast. The core only launches them: it imports neither side.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import os
-import subprocess
 import sys
 import tempfile
 from typing import Any
 
+from routereplay.cli.stage import StageError, run_stage
 from routereplay.errors import RouteReplayError
 from routereplay.record import RoutingRecord
 from routereplay.schema import RoutingSchema
@@ -38,27 +39,13 @@ class DemoConfig:
     update_midway: bool = False       # weight update (keep mode) halfway through the rollout
     seed: int = 0
     workdir: str | None = None        # keep sidecar and intermediate files here
+    progress: bool = True             # live progress line per stage (tqdm, on a terminal)
     rollout_timeout_s: float = 900.0
     trainer_timeout_s: float = 600.0
 
 
-class DemoError(RouteReplayError):
+class DemoError(StageError):
     """A demo stage failed; the message holds the stage and its error output."""
-
-
-def _run_stage(name: str, cmd: list[str], env: dict[str, str], timeout: float, log: str) -> None:
-    with open(log, "w") as f:
-        try:
-            proc = subprocess.run(cmd, env=env, stdout=f, stderr=subprocess.STDOUT,
-                                  timeout=timeout)
-        except subprocess.TimeoutExpired:
-            raise DemoError(f"{name} did not finish within {timeout:.0f} s (log: {log})") from None
-    if proc.returncode != 0:
-        with open(log, errors="replace") as f:
-            lines = [ln for ln in f.read().splitlines() if ln.strip()]
-        errs = [ln for ln in lines if ln.startswith("error:")]
-        tail = "\n".join(errs or lines[-15:])
-        raise DemoError(f"{name} failed (exit {proc.returncode}, log: {log}):\n{tail}")
 
 
 def routing_only_bytes(sidecar: str) -> tuple[int, int]:
@@ -107,20 +94,21 @@ def run_demo(cfg: DemoConfig) -> dict[str, Any]:
         json.dump(prompts, f)
 
     from engine_patches.vllm.harness.triton_cpu import engine_env   # lazy: only the demo needs it
+    _run_stage = functools.partial(run_stage, progress=cfg.progress)
     _run_stage("vLLM rollout", [
         sys.executable, "-m", "engine_patches.vllm.harness.rollout", "--model", model,
         "--prompts", paths["prompts"], "--sidecar", paths["sidecar"],
         "--summary", paths["rollout"], "--dtype", cfg.engine_dtype,
         "--max-tokens", str(cfg.max_tokens), "--seed", str(cfg.seed)]
         + (["--update-from", model] if cfg.update_midway else []),
-        engine_env(), cfg.rollout_timeout_s, paths["rollout_log"])
+        env=engine_env(), timeout=cfg.rollout_timeout_s, log=paths["rollout_log"])
     _run_stage("megatron-core recompute", [
         sys.executable, "-m", "trainer_hooks.megatron.harness.recompute", "--model", model,
         "--sidecar", paths["sidecar"], "--out", paths["trainer"],
         "--router-perturb", str(cfg.router_perturb),
         "--router-select-noise", str(cfg.router_select_noise), "--seed", str(cfg.seed),
         "--parallel", cfg.trainer_parallel or ""],
-        dict(os.environ), cfg.trainer_timeout_s, paths["trainer_log"])
+        env=dict(os.environ), timeout=cfg.trainer_timeout_s, log=paths["trainer_log"])
 
     with open(paths["rollout"]) as f:
         roll = json.load(f)
