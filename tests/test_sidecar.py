@@ -568,3 +568,37 @@ def test_v3_repetitive_records_get_longer_token_blocks(schema8):
     assert g.token_block > 256 and g.token_block % 256 == 0 and len(merged) < 0.9 * len(plain)
     np.testing.assert_array_equal(SidecarReader(merged).fetch("rep", [3], [(100, 3000)])[0][0],
                                   ids[100:3000, [3]])
+
+
+# --- issue 13 bug 2: the demo's bytes per row come from the stored section lengths ----------
+@pytest.mark.parametrize("format_version", [2, 3])
+def test_record_bytes_and_demo_figure_use_stored_section_lengths(tmp_path, schema, format_version):
+    from routereplay.cli.demo.run import routing_only_bytes
+    from routereplay.sidecar import SidecarWriter
+    recs = [random_record(schema, f"s{i}", 40 + 13 * i, i) for i in range(4)]
+    path = str(tmp_path / "raw.rrsc")
+    # a stream stored with the raw codec: a re-encoding with the default codec would
+    # report fewer bytes than the stream holds
+    w = SidecarWriter(path, schema, codec="raw-lm", format_version=format_version,
+                      background=False)
+    for r in recs:
+        w.write(r)
+    w.close()
+    k = schema.top_k
+    with SidecarReader(path) as r:
+        sizes = [r.record_bytes(x.sample_id) for x in recs]
+        frames = r.scan()
+    for rec, b, fi in zip(recs, sizes, frames):
+        raw = rec.expert_ids.size * rec.expert_ids.itemsize
+        assert b.routing >= raw                          # the ids are stored raw
+        per_section = 5 if format_version == 3 else 0   # v3: CRC + codec byte per section
+        assert b.routing - raw == per_section * b.routing_sections
+        assert set(b.arrays) == {"token_ids", "logprobs"}
+        assert b.arrays["token_ids"] > 0 and b.arrays["logprobs"] > 0
+        assert b.routing_frame == b.frame - sum(b.arrays.values())
+        assert b.frame == 24 + fi.payload_len              # frame header + payload
+    got, rows = routing_only_bytes(path)
+    assert rows == sum(x.num_tokens for x in recs) * schema.num_moe_layers
+    size = os.path.getsize(path)
+    assert got == size - sum(sum(b.arrays.values()) for b in sizes)
+    assert got >= rows * k                               # at least the raw ids (uint8)

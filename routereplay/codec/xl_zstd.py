@@ -46,7 +46,7 @@ import zstandard
 
 from routereplay.codec import ctx_zstd
 from routereplay.codec.layer_major import bounded_zstd_decompress
-from routereplay.errors import SidecarError
+from routereplay.errors import ConfigError, SidecarError
 
 MODE_LAYER, MODE_TOKEN, MODE_PLAIN = 0, 1, 2
 LZ_REGIME = 1.03        # try the slow token-major parser when fast token-major <= 1.03 x mode 0
@@ -104,10 +104,11 @@ def encode(ids: np.ndarray, num_experts: int, check: str = "auto") -> bytes:
 
     Raises:
         ValueError: an id out of [0, num_experts), ids not uint8 (E <= 256) / uint16
-            (E > 256), or an unknown ``check``.
+            (E > 256).
+        ConfigError (a ValueError): an unknown ``check``.
     """
     if check not in ("auto", "always"):
-        raise ValueError(f"check must be 'auto' or 'always', got {check!r}")
+        raise ConfigError(f"check must be 'auto' or 'always', got {check!r}")
     return _choose(ids, num_experts, check, ctx_zstd.encode(ids, num_experts))
 
 
@@ -149,7 +150,7 @@ def encode_grid(ids: np.ndarray, num_experts: int, token_block: int, layer_group
     exactly :func:`encode` of its slice (one-layer groups take their mode-0 payloads from
     :func:`routereplay.codec.ctx_zstd.encode_grid`, one pass over the record)."""
     if check not in ("auto", "always"):
-        raise ValueError(f"check must be 'auto' or 'always', got {check!r}")
+        raise ConfigError(f"check must be 'auto' or 'always', got {check!r}")
     t, nl, _ = ids.shape
     mode0 = ctx_zstd.encode_grid(ids, num_experts, token_block, layer_group)
     out, i = [], 0

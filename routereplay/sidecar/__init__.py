@@ -28,12 +28,12 @@ from routereplay.sidecar.layout import (COLUMN_ORDERS, DEFAULT_LAYER_GROUP,
                                         encode_header)
 from routereplay.sidecar.payload import RecordMeta, Section, encode_record_payload
 from routereplay.sidecar.multi import MultiSidecarReader, open_sidecar
-from routereplay.sidecar.reader import FrameInfo, SidecarReader
+from routereplay.sidecar.reader import FrameInfo, RecordBytes, SidecarReader
 from routereplay.sidecar.writer import SidecarWriter, write_records, writer_codec
 
 _crc = crc32          # NOTE: pre-0.2 private name, still used by external test helpers
 
-__all__ = ["SidecarWriter", "SidecarReader", "MultiSidecarReader", "open_sidecar", "FrameInfo", "RecordMeta", "Section",
+__all__ = ["SidecarWriter", "SidecarReader", "MultiSidecarReader", "open_sidecar", "FrameInfo", "RecordBytes", "RecordMeta", "Section",
            "write_records", "writer_codec", "encode_header", "encode_frame",
            "encode_record_payload", "crc32", "MAGIC", "FORMAT_VERSION", "READABLE_VERSIONS",
            "COLUMN_ORDERS", "FRAME_MAGIC", "TRAILER_MAGIC", "KIND_RECORD", "KIND_INDEX",

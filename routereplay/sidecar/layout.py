@@ -21,7 +21,7 @@ import struct
 import zlib
 from typing import Any
 
-from routereplay.errors import SidecarError
+from routereplay.errors import ConfigError, SidecarError
 from routereplay.schema import RoutingSchema
 
 MAGIC = b"\x89RRSC\r\n\x1a"
@@ -146,7 +146,7 @@ def encode_header(schema: RoutingSchema, codec: str | None = None,
         codecs: version 3: the codec table (default: :func:`codec_table` of ``codec``).
     """
     if version not in WRITABLE_VERSIONS:
-        raise ValueError(f"format version {version} is not one a writer writes {WRITABLE_VERSIONS}")
+        raise ConfigError(f"format version {version} is not one a writer writes {WRITABLE_VERSIONS}")
     if codec is None:
         from routereplay import codec as _codec
         codec = _codec.DEFAULT_CODEC if version >= 3 else _codec.V2_DEFAULT_CODEC

@@ -44,6 +44,31 @@ HEAD_GUESS = 256               # bytes read at a frame for its header and head (
 TABLE_GAP = 1024               # section-table entries this close are read in one request
 
 
+@dataclasses.dataclass(frozen=True)
+class RecordBytes:
+    """Where a record's bytes go (:meth:`SidecarReader.record_bytes`), in bytes.
+
+    Attributes:
+        sample_id: the record's id.
+        frame: the whole frame: frame header, head (meta), section table, sections.
+        routing: the routing sections (their per-section CRC and codec byte included).
+        arrays: bytes of each array section by name ("token_ids", "logprobs").
+        routing_sections: how many routing sections the record has.
+    """
+
+    sample_id: str
+    frame: int
+    routing: int
+    arrays: dict[str, int]
+    routing_sections: int
+
+    @property
+    def routing_frame(self) -> int:
+        """The frame without its array sections: what the record would take in a stream
+        carrying routing only (as the engines' formats do)."""
+        return self.frame - sum(self.arrays.values())
+
+
 @dataclasses.dataclass
 class _Head:
     """A version-3 record's head, read once and cached for the reader's life.
@@ -671,6 +696,34 @@ class SidecarReader:
             rows.append((a, min(max(int(hi) - meta.start, a), meta.num_tokens)))
         return [(ids, meta.start + a) for ids, (a, _) in
                 zip(self._assemble(meta, sections, want, rows, off), rows)]
+
+    def record_bytes(self, sample_id: str) -> RecordBytes:
+        """Bytes one record takes in the stream, by part, from its stored section lengths
+        (nothing is decompressed; version 3 reads the head and the section table only).
+
+        Raises:
+            UnknownSampleError (a KeyError): no such sample id.
+            SidecarError: the frame is corrupt, or its section table is out of place.
+        """
+        off, got = self._frame_meta(sample_id)
+        if self.version >= 3:
+            h: _Head = got
+            grid = h.grid
+            body_len = h.payload_len - h.body_at
+            ends = self._table_ends(grid, self._payload(h, grid.head_len, h.body_at),
+                                    body_len)
+            sizes = np.diff(ends)
+            routing = int(sizes[:grid.n_routing].sum())
+            arrays = {name: int(sizes[grid.n_routing + j])
+                      for j, (name, _) in enumerate(grid.arrays)}
+            return RecordBytes(sample_id, FRAME_HEADER_SIZE + h.payload_len, routing, arrays,
+                               grid.n_routing)
+        meta, _body = got
+        fh = parse_frame_header(self._read(off, FRAME_HEADER_SIZE), off, self.size)
+        routing = sum(s.length for s in meta.sections if s.name == "routing")
+        arrays = {s.name: s.length for s in meta.sections if s.name != "routing"}
+        return RecordBytes(sample_id, FRAME_HEADER_SIZE + fh.payload_len, routing, arrays,
+                           sum(1 for s in meta.sections if s.name == "routing"))
 
     def records(self, *, strict: bool = True, **kw: Any) -> Iterator[RoutingRecord]:
         """Iterate over all records in stream order.
