@@ -176,12 +176,16 @@ def main():
                     help="only the size grid: ctx-zstd / zstd-19 over E, top_k, skew, repeat")
     ap.add_argument("--records-by-length", action="store_true",
                     help="only the whole-file table by record length (issue 18)")
+    ap.add_argument("--file-grid", action="store_true",
+                    help="only the whole-file guarantee over the grid's traces, format 3")
     ap.add_argument("--trained", help="npz from benchmarks/trained_routing.py (trained routing)")
     a = ap.parse_args()
     if a.grid:
         return print_grid()
     if a.records_by_length:
         return print_records_by_length(a.trained)
+    if a.file_grid:
+        return print_file_grid()
     rng = np.random.default_rng(0)
     summary = []
     print("bits per token-layer (lower is better); MB/s of uint8-equivalent input, one thread")
@@ -299,30 +303,65 @@ def _z19(b: bytes) -> int:
     return len(zstandard.ZstdCompressor(level=19).compress(b))
 
 
-def _file_bits(recs, e, k, codec_name, group):
-    """Whole sidecar stream (routereplay.sidecar.SidecarWriter as it is: header, frames,
-    meta JSON, index, trailer) of routing-only records.
+def geometry(ids, e=None, codec_name="ctx-zstd"):
+    """The version-3 writer's section grid for ``ids`` [T, L, K]: (B, G)."""
+    from routereplay.sidecar.payload import grid_sections
+    if e is None:
+        t, nl = ids.shape[:2]
+        if ids.nbytes <= 64 << 10:
+            return max(t, 1), nl
+        e = int(ids.max()) + 1 if ids.size else 1
+    _, b, g, _ = grid_sections(ids, codec_name, e)
+    return b, g
 
-    Returns (stream bytes, routing-section bytes, per-record framing bytes: frame header,
-    meta length and JSON, the record's index entry; summed over records).
+
+def coded_bytes(ids, codec_name, e, version=3, group=GROUP):
+    """Bytes of a record's routing sections' coded data as the writer codes them (version
+    3: its grid, without each section's CRC and codec byte; version 2: groups of ``group``)."""
+    if version >= 3:
+        from routereplay.sidecar.payload import grid_sections
+        return sum(map(len, grid_sections(ids, codec_name, e)[3]))
+    return sum(len(codec.encode(np.ascontiguousarray(ids[:, l0:l0 + group]), codec_name, e))
+               for l0 in range(0, ids.shape[1], group))
+
+
+def _file_bits(recs, e, k, codec_name, version=3, group=GROUP):
+    """Whole sidecar stream (SidecarWriter: header, frames, meta, index, trailer) of
+    routing-only records, format ``version`` (2: groups of ``group`` MoE layers).
+
+    Returns (stream bytes, routing-section data bytes, per-record framing bytes summed over
+    records: everything but the sections' coded data and the stream's own bytes).
     """
-    import json
-    from routereplay.sidecar import encode_record_payload
+    from routereplay.sidecar.layout import encode_header
     nl = recs[0].shape[1]
     schema = RoutingSchema(nl, tuple(range(nl)), k, e)
     rr = [RoutingRecord(f"s{i}", x) for i, x in enumerate(recs)]
-    stream = write_records(None, schema, rr, background=False, codec=codec_name,
-                           layer_group=group).getvalue()
-    sections = per_record = 0
-    off = 0
-    for r in rr:
-        payload = encode_record_payload(r, schema, codec_name, group)
-        sec = sum(len(codec.encode(np.ascontiguousarray(r.ids[:, l0:l0 + group]), codec_name, e))
-                  for l0 in range(0, nl, group))
-        sections += sec
-        per_record += 24 + len(payload) - sec + len(json.dumps([r.sample_id, off])) + 1
-        off += 24 + len(payload)
-    return len(stream), sections, per_record
+    kw = {} if version >= 3 else {"layer_group": group}
+    w = write_records(None, schema, rr, background=False, codec=codec_name,
+                      format_version=version, **kw)
+    stream = w.getvalue()
+    data = sum(coded_bytes(x, codec_name, e, version, group) for x in recs)
+    index = SidecarReader(stream)._index_offset
+    fixed = len(encode_header(schema, codec_name, version=version, layer_group=w.layer_group,
+                              codecs=w._codecs if version >= 3 else None)) \
+        + (len(stream) - index) - (_index_entries(rr, stream, version))
+    return len(stream), data, len(stream) - fixed - data
+
+
+def _index_entries(rr, stream, version):
+    """Bytes of the index entries in ``stream``'s index payload (they are per record)."""
+    import json
+    from routereplay.sidecar.layout import varint
+    r = SidecarReader(stream)
+    offs = [fi.offset for fi in r.scan()]
+    if version >= 3:
+        prev, n = 0, 0
+        for x, o in zip(rr, offs):
+            n += len(varint(len(x.sample_id))) + len(x.sample_id) + len(varint(o - prev))
+            prev = o
+        return n
+    return sum(len(json.dumps([x.sample_id, o], separators=(",", ":"))) + 1
+               for x, o in zip(rr, offs))
 
 
 def record_sources(trained: str | None):
@@ -353,21 +392,22 @@ def record_sources(trained: str | None):
 
 
 def print_records_by_length(trained: str | None = None, rows_per_point: int = 65536):
-    """Issue 18: bits per token-layer by record length, whole file included.
+    """Issue 18 with format 3: bits per token-layer by record length, whole file included.
 
     Per source and record length: the exact entropy rate (synthetic), zstd-19 per record
-    token-major [T, L, K] and layer-major [L, T, K], our sections alone (layer groups of 4
-    and, for xl-zstd, one group of all layers), and whole sidecar streams (SidecarWriter as
-    it is) of routing-only records, with the framing bytes each record adds (frame header,
-    meta, index entry) and the stream's own (header JSON with the schema, index frame,
-    trailer).
+    token-major [T, L, K] and layer-major [L, T, K], and whole sidecar streams
+    (SidecarWriter) of routing-only records: format 2 with ctx-zstd in groups of 4 (before),
+    format 3 (its default grid: one section up to 64 KiB of ids, else 512 tokens x 1 MoE
+    layer) with ctx-zstd and with xl-zstd; the framing each record adds (format 2 / 3:
+    frame header, meta, table, section CRCs and codec bytes, index entry) and the stream's
+    own bytes (header, index frame header, trailer).
     """
     print("\nbits per token-layer by record length (records coded one by one; 'file' = whole"
-          " sidecar stream of routing-only records, SidecarWriter as it is)")
-    print("| source | T | records | rate | z19 tm | z19 lm | ctx-zstd g4 | xl-zstd g4 | xl-zstd gL "
-          "| file ctx-zstd g4 | file xl-zstd g4 | file xl-zstd gL | file xl g4 / z19 tm | file xl g4 / rate "
-          "| record framing B g4 | record framing B gL | stream B |")
-    print("|---" * 17 + "|")
+          " sidecar stream of routing-only records, SidecarWriter)")
+    print("| source | T | records | rate | z19 tm | z19 lm | file v2 ctx-zstd g4 | file v3 ctx-zstd "
+          "| file v3 xl-zstd | v3 xl / z19 tm | v3 xl / rate | framing B/record v2 | v3 | stream B v3 |")
+    print("|---" * 14 + "|")
+    out = []
     for label, e, k, sample, lengths in record_sources(trained):
         for t in lengths:
             rng = np.random.default_rng(t)
@@ -386,40 +426,83 @@ def print_records_by_length(trained: str | None = None, rows_per_point: int = 65
             b = lambda n: 8 * n / rows  # noqa: E731
             z_tm = sum(_z19(x.tobytes()) for x in recs)
             z_lm = sum(_z19(np.ascontiguousarray(x.transpose(1, 0, 2)).tobytes()) for x in recs)
-            f_cz, s_cz, _ = _file_bits(recs, e, k, "ctx-zstd", GROUP)
-            f_x4, s_x4, m_x4 = _file_bits(recs, e, k, "xl-zstd", GROUP)
-            f_xl, s_xl, m_xl = _file_bits(recs, e, k, "xl-zstd", nl)
+            f_v2, _, m_v2 = _file_bits(recs, e, k, "ctx-zstd", 2)
+            f_cz, _, _ = _file_bits(recs, e, k, "ctx-zstd", 3)
+            f_xl, s_xl, m_xl = _file_bits(recs, e, k, "xl-zstd", 3)
             rate = None if rates[0] is None else float(np.mean(rates))
             print(f"| {label} | {t} | {len(recs)} | {'-' if rate is None else f'{rate:.3f}'} "
-                  f"| {b(z_tm):.3f} | {b(z_lm):.3f} | {b(s_cz):.3f} | {b(s_x4):.3f} | {b(s_xl):.3f} "
-                  f"| {b(f_cz):.3f} | {b(f_x4):.3f} | {b(f_xl):.3f} | {f_x4 / z_tm:.1%} "
-                  f"| {'-' if rate is None else f'{b(f_x4) / rate:.1%}'} "
-                  f"| {m_x4 / len(recs):.0f} | {m_xl / len(recs):.0f} | {f_x4 - s_x4 - m_x4} |",
+                  f"| {b(z_tm):.3f} | {b(z_lm):.3f} | {b(f_v2):.3f} | {b(f_cz):.3f} | {b(f_xl):.3f} "
+                  f"| {f_xl / z_tm:.1%} | {'-' if rate is None else f'{b(f_xl) / rate:.1%}'} "
+                  f"| {m_v2 / len(recs):.0f} | {m_xl / len(recs):.0f} | {f_xl - s_xl - m_xl} |",
                   flush=True)
+            out.append((label, t, b(z_tm), b(f_v2), b(f_cz), b(f_xl)))
     print_speed_1k()
+    return out
 
 
 def print_speed_1k(tokens=1024, layers=32):
     """Encode/decode MB/s (uint8-equivalent, one thread, best run) of ctx-zstd and xl-zstd on
-    one 1K-token record in groups of 4 (issue 3's targets: 50 and 200)."""
-    print(f"\nspeed on one {tokens}-token record x {layers} MoE layers, groups of {GROUP} "
+    one 1K-token record in the version-3 writer's geometry (one section up to 64 KiB of ids,
+    else 512 tokens x 1 MoE layer; issue 3's targets: 50 and 200)."""
+    print(f"\nspeed on one {tokens}-token record x {layers} MoE layers, format-3 geometry "
           "(MB/s of uint8-equivalent input, one thread, best run)")
-    print("| source | ctx-zstd enc | ctx-zstd dec | xl-zstd enc | xl-zstd dec | xl-zstd modes (L/T/Z) |")
-    print("|---|---|---|---|---|---|")
+    print("| source | sections | ctx-zstd enc | ctx-zstd dec | xl-zstd enc | xl-zstd dec | xl-zstd modes (L/T/Z) |")
+    print("|---|---|---|---|---|---|---|")
     srcs = [(f"cross-layer E={e} k={k}", e, CrossLayerRouting.make(np.random.default_rng(7), layers, e, k)
              .sample(np.random.default_rng(1), tokens)[0]) for e, k in ((8, 2), (64, 6), (128, 8))]
     srcs += [(f"independent E={e} k={k} r=0.5", e, routing_trace(np.random.default_rng(1), tokens, layers,
                                                                   e, k, 0.5, 1.0)[0])
              for e, k in ((8, 2), (128, 8))]
     for label, e, x in srcs:
+        b, g = geometry(x, e)
+        shapes = [(min(b, x.shape[0] - r0), min(g, x.shape[1] - l0), x.shape[2])
+                  for l0 in range(0, x.shape[1], g) for r0 in range(0, max(x.shape[0], 1), b)]
         cells = []
         for name in ("ctx-zstd", "xl-zstd"):
-            enc, dec = methods(e)[f"{name} (ours)"]
-            te, blobs = _best(lambda: enc(x))
-            td, _ = _best(lambda: dec(blobs, x))
+            te, blobs = _best(lambda: codec.encode_grid(x, name, e, b, g))
+            td, _ = _best(lambda: [codec.decode(bl, name, sh, x.dtype, e)
+                                   for bl, sh in zip(blobs, shapes)])
             cells += [f"{x.size / te / 1e6:.0f}", f"{x.size / td / 1e6:.0f}"]
         modes = np.bincount([bl[0] for bl in blobs], minlength=3).tolist()
-        print(f"| {label} | " + " | ".join(cells) + f" | {modes} |")
+        print(f"| {label} | {len(shapes)} ({b}x{g}) | " + " | ".join(cells) + f" | {modes} |")
+
+
+def print_file_grid(lengths=(64, 256, 1024, 4096), layers=8, codecs=("xl-zstd", "ctx-zstd")):
+    """Issue 18's guarantee over the grid of print_grid (352 traces of E 3-384, top-k 1-8,
+    uniform/Zipf, repeat 0/0.5/0.9) with format 3: the per-record cost in a whole file
+    (a one-record stream less the stream's own header, index frame header and trailer:
+    frame header, head, table, section CRCs and codec bytes, index entry, coded sections)
+    against zstd-19 on the record's token-major uint8 array."""
+    from routereplay.sidecar.layout import encode_header
+    print(f"\nformat 3, one record of T tokens x {layers} MoE layers: record in a file / "
+          "zstd-19 token-major of the record, over the grid's traces")
+    print("| codec | tokens | traces | above 1 | largest | trace | largest excess bytes |")
+    print("|---|---|---|---|---|---|---|")
+    res = {}
+    for name in codecs:
+        for tokens in lengths:
+            rows = []
+            for e in (3, 4, 5, 8, 11, 12, 14, 16, 17, 24, 32, 60, 64, 96, 128, 160, 256, 300, 384):
+                for k in (1, 2, 4, 6, 8):
+                    for skew, rep in ((0.0, 0.0), (0.0, 0.5), (1.0, 0.0), (1.0, 0.9)):
+                        if k > e:
+                            continue
+                        x, _ = routing_trace(np.random.default_rng(e * 10 + k), tokens, layers, e,
+                                             k, rep, skew)
+                        x = x.astype(np.uint8 if e <= 256 else np.uint16)
+                        schema = RoutingSchema(layers, tuple(range(layers)), k, e)
+                        w = write_records(None, schema, [RoutingRecord("s0", x)], codec=name,
+                                          background=False)
+                        stream = w.getvalue()
+                        fixed = len(encode_header(schema, name, codecs=w._codecs)) + 24 + 1 + 16
+                        ours = len(stream) - fixed
+                        z19 = _z19(x.astype(x.dtype.newbyteorder("<")).tobytes())
+                        rows.append((ours / z19, ours - z19, f"E={e} k={k} skew={skew:g} r={rep}"))
+            rows.sort(reverse=True)
+            res[(name, tokens)] = rows
+            print(f"| {name} | {tokens} | {len(rows)} | {sum(r[1] > 0 for r in rows)} | {rows[0][0]:.4f} "
+                  f"| {rows[0][2]} | {max(r[1] for r in rows)} |", flush=True)
+    return res
 
 
 if __name__ == "__main__":

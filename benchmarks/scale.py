@@ -13,10 +13,11 @@ What it does, end to end, with the product's own code:
    ``routereplay.testing.traces``, drawn faster: rejection of rows with a repeated id instead
    of Gumbel top-k). Uniform routing (``--skew 0 --repeat 0``) is the ceiling: 63.8 bits
    per (token, MoE layer).
-2. Writes every record through ``SidecarWriter`` (format version 2, default codec) into
-   ``--streams`` streams, as the engine's DP replicas would (each record to the replica
-   that served it, records in finishing order), plus the same records in the layout
-   prototyped in ``benchmarks/scale_v3proto.py`` (``--v3`` geometries).
+2. Writes every record through ``SidecarWriter`` into ``--streams`` streams, as the
+   engine's DP replicas would (each record to the replica that served it, records in
+   finishing order): in format version 3 for each ``--v3`` section geometry (token block
+   B x layer group G; the writer's default codec), and in format version 2
+   (``format_version=2``, groups of ``--layer-group`` MoE layers) for comparison.
 3. Plans the trainer step as megatron-based RL frameworks do (verl, slime): samples are
    balanced over the DP ranks by token count (longest first, to the least loaded rank),
    then packed per DP rank into THD microbatches of at most ``--mb-tokens`` tokens
@@ -73,10 +74,6 @@ from typing import Any, Callable, Iterator, Sequence
 
 import numpy as np
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-
-import scale_v3proto as v3  # noqa: E402  (benchmarks/ prototype, not the product)
-
 from routereplay import align, codec as _codec, wire  # noqa: E402
 from routereplay.record import RoutingRecord  # noqa: E402
 from routereplay.schema import RoutingSchema, schema_layers_for  # noqa: E402
@@ -107,7 +104,7 @@ class StepSpec:
     repeat: float = 0.05           # P(row == previous token's row), per layer
     prompt_len: int = 1024         # prompt tokens (at most len - 1)
     streams: int = 8               # engine DP replicas, one sidecar stream each
-    layer_group: int = 4           # version-2 writer's MoE layers per section
+    layer_group: int = 4           # format-2 writer's MoE layers per section
     seed: int = 0
     len_scale: float = 1.0         # multiply every length (sequence-length doubling row)
 
@@ -253,6 +250,50 @@ def sample_id(i: int) -> str:
     return f"rollout-{i:05d}"
 
 
+@dataclasses.dataclass(frozen=True)
+class Geometry:
+    """A format-3 section grid: ``token_block`` rows (B) x ``layer_group`` MoE layers (G);
+    records of at most ``one_section_bytes`` bytes of ids are one section (the writer's)."""
+
+    token_block: int
+    layer_group: int
+    one_section_bytes: int = 64 << 10
+
+    def __str__(self) -> str:
+        one = "" if self.one_section_bytes == 64 << 10 else f",one<={self.one_section_bytes}"
+        return f"B={self.token_block},G={self.layer_group}{one}"
+
+    @classmethod
+    def parse(cls, s: str) -> "Geometry":
+        """'512:1' -> Geometry(512, 1); '512:1:0' also sets one_section_bytes."""
+        try:
+            parts = [int(x) for x in s.split(":")]
+            geo = cls(*parts) if 2 <= len(parts) <= 3 else None
+        except ValueError:
+            geo = None
+        if geo is None or geo.token_block < 1 or geo.layer_group < 1 or geo.one_section_bytes < 0:
+            raise SystemExit(f"--v3 {s!r}: expected TOKEN_BLOCK:LAYER_GROUP[:ONE_SECTION_BYTES]")
+        return geo
+
+    def writer_kw(self) -> dict[str, int]:
+        return {"token_block": self.token_block, "layer_group": self.layer_group,
+                "one_section_bytes": self.one_section_bytes}
+
+    def sections(self, schema: RoutingSchema, t: int) -> int:
+        """Routing sections of a record of ``t`` rows."""
+        if t * schema.num_moe_layers * schema.top_k * schema.id_dtype.itemsize \
+                <= self.one_section_bytes:
+            return 1
+        return max(1, -(-t // self.token_block)) * -(-schema.num_moe_layers // self.layer_group)
+
+
+V2 = "v2"
+
+
+def v3_name(g: Geometry) -> str:
+    return f"v3 {g}"
+
+
 @dataclasses.dataclass
 class Written:
     """Where the step's records went."""
@@ -260,19 +301,19 @@ class Written:
     lengths: np.ndarray                    # tokens per sample
     stream_of: dict[str, int]              # sample id -> stream index
     v2_paths: list[str]
-    v3_paths: dict[v3.Geometry, list[str]]
+    v3_paths: dict[Geometry, list[str]]
     v2_bytes: int
-    v3_bytes: dict[v3.Geometry, int]
-    v3_sections: dict[v3.Geometry, int]
+    v3_bytes: dict[Geometry, int]
+    v3_sections: dict[Geometry, int]
     routing_rows: int                      # sum of T over samples (token rows)
     gen_seconds: float
     write_seconds: float
 
 
 def write_step(spec: StepSpec, schema: RoutingSchema, workdir: str,
-               geometries: Sequence[v3.Geometry]) -> Written:
+               geometries: Sequence[Geometry]) -> Written:
     """Generate and write the step (streaming: one record in memory at a time, plus the
-    version-2 writers' small queues)."""
+    writers' small queues)."""
     lengths = sample_lengths(spec)
     gen = RoutingGenerator(schema, spec.skew, spec.repeat, spec.seed)
     rng = np.random.default_rng([spec.seed, 2])
@@ -280,11 +321,14 @@ def write_step(spec: StepSpec, schema: RoutingSchema, workdir: str,
     replica = rng.integers(0, spec.streams, len(lengths))
     v2_paths = [os.path.join(workdir, f"engine{s}.v2.rrsc") for s in range(spec.streams)]
     v2w = [SidecarWriter(p, schema, layer_group=spec.layer_group, max_queue=2, fsync="never",
-                         extra_header={"engine": "synthetic", "replica": s})
+                         extra_header={"engine": "synthetic", "replica": s}, format_version=2)
            for s, p in enumerate(v2_paths)]
     v3_paths = {g: [os.path.join(workdir, f"engine{s}.v3.{i}.rrsc") for s in range(spec.streams)]
                 for i, g in enumerate(geometries)}
-    v3w = {g: [v3.Writer(p, schema, g) for p in ps] for g, ps in v3_paths.items()}
+    v3w = {g: [SidecarWriter(p, schema, max_queue=2, fsync="never",
+                             extra_header={"engine": "synthetic", "replica": s}, **g.writer_kw())
+               for s, p in enumerate(ps)] for g, ps in v3_paths.items()}
+    n_sections = {g: 0 for g in geometries}
     stream_of: dict[str, int] = {}
     tgen = twrite = 0.0
     rows = 0
@@ -302,6 +346,7 @@ def write_step(spec: StepSpec, schema: RoutingSchema, workdir: str,
         v2w[s].write(rec)
         for g in geometries:
             v3w[g][s].write(rec)
+            n_sections[g] += g.sections(schema, n - 1)
         twrite += time.perf_counter() - t1
         tgen += t1 - t0
         stream_of[rec.sample_id] = s
@@ -316,7 +361,7 @@ def write_step(spec: StepSpec, schema: RoutingSchema, workdir: str,
     return Written(lengths=lengths, stream_of=stream_of, v2_paths=v2_paths, v3_paths=v3_paths,
                    v2_bytes=sum(os.path.getsize(p) for p in v2_paths),
                    v3_bytes={g: sum(os.path.getsize(p) for p in ps) for g, ps in v3_paths.items()},
-                   v3_sections={g: sum(w.routing_sections for w in ws) for g, ws in v3w.items()},
+                   v3_sections=n_sections,
                    routing_rows=rows, gen_seconds=tgen, write_seconds=twrite)
 
 
@@ -493,7 +538,7 @@ def open_readers(kind: str, paths: Sequence[str], storage: str = "file"
         files: list[Any] = [CountingFile(open(p, "rb")) for p in paths]
     else:
         files = [RangedStoreFile(p, storage.split("-")[1]) for p in paths]
-    readers = [SidecarReader(f) if kind == "v2" else v3.Reader(f) for f in files]
+    readers = [SidecarReader(f) for f in files]
     return readers, files
 
 
@@ -593,16 +638,18 @@ def simulate_rank(kind: str, paths: Sequence[str], written: Written, plan: Plan,
     return res
 
 
-def encode_rates(schema: RoutingSchema, geos: Sequence[v3.Geometry], spec: StepSpec,
+def encode_rates(schema: RoutingSchema, geos: Sequence[Geometry], spec: StepSpec,
                  tokens: int = 8192) -> dict[str, float]:
     """Encode speed, MB/s of uint8 ids, of one ``tokens``-token record on one core (best of
-    3): the product's version-2 payload and each prototype geometry."""
+    3): the writer's format-2 payload and its format-3 payload for each geometry."""
     from routereplay.sidecar.payload import encode_record_payload
     rng = np.random.default_rng([spec.seed, 4])
     ids = RoutingGenerator(schema, spec.skew, spec.repeat, spec.seed).ids(rng, tokens)
     rec = RoutingRecord("speed", ids)
-    fns = {"v2 today": lambda: encode_record_payload(rec, schema, layer_group=spec.layer_group)}
-    fns.update({f"v3 {g}": (lambda g=g: v3.encode_record(rec, schema, g)) for g in geos})
+    fns = {V2: lambda: encode_record_payload(rec, schema, layer_group=spec.layer_group,
+                                             version=2)}
+    fns.update({v3_name(g): (lambda g=g: encode_record_payload(rec, schema, **g.writer_kw()))
+                for g in geos})
     out = {}
     for name, fn in fns.items():
         best = float("inf")
@@ -759,7 +806,7 @@ def choice_table(schemes: dict[str, list[RankResult]], stored: dict[str, int],
                  raw_routing: int) -> list[str]:
     """One line per scheme: storage against v2 and the per-rank ratios that set the targets
     (median / max over ranks)."""
-    v2 = stored["v2 today"]
+    v2 = stored[V2]
     lines = ["| scheme | stored vs v2 | read / share | decoded / share | peak held (reader) / "
              "in-flight share | requests | decode CPU s |", "|---|---|---|---|---|---|---|"]
     for n, rs in schemes.items():
@@ -790,10 +837,10 @@ def step_table(spec: StepSpec, schema: RoutingSchema, written: Written) -> list[
              f"{fmt_bytes(naive)} | {naive / cells:.2f} | {naive / written.v2_bytes:.1f}x |",
              f"| uint8 ids, MoE layers only | {fmt_bytes(cells * schema.top_k)} | "
              f"{schema.top_k:.2f} | {cells * schema.top_k / written.v2_bytes:.2f}x |",
-             f"| sidecar v2 (today, layer_group {spec.layer_group}) | {fmt_bytes(written.v2_bytes)} | "
+             f"| sidecar format 2 (layer_group {spec.layer_group}) | {fmt_bytes(written.v2_bytes)} | "
              f"{written.v2_bytes / cells:.3f} | 1.00x |"]
     for g, b in written.v3_bytes.items():
-        lines.append(f"| v3 prototype {g} ({written.v3_sections[g]} routing sections) | "
+        lines.append(f"| sidecar format 3 {g} ({written.v3_sections[g]} routing sections) | "
                      f"{fmt_bytes(b)} | {b / cells:.3f} | {b / written.v2_bytes:.4f}x |")
     return lines
 
@@ -811,13 +858,14 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--layout", default="", help="e.g. tp=8,ep=64,pp=16,vpp=2,cp=2,dp=4,sp=on,"
                     "mb_tokens=8192[,pp_layout=...]")
-    ap.add_argument("--v3", default="512:1", help="prototype geometries TOKEN_BLOCK:LAYER_GROUP, "
+    ap.add_argument("--v3", default="512:1", help="format-3 geometries TOKEN_BLOCK:LAYER_GROUP"
+                    "[:ONE_SECTION_BYTES], "
                     "comma-separated ('' for none)")
     ap.add_argument("--coords", help="DP,CP,TP coordinates to simulate, ';'-separated")
     ap.add_argument("--all-ranks", action="store_true")
     ap.add_argument("--prefetch", type=int, default=2, help="microbatch loads ahead of forward")
     ap.add_argument("--per-run", action="store_true",
-                    help="v2: call read() once per token run (the replayer on main today) "
+                    help="call read() once per token run (the replayer before issue 13) "
                     "instead of fetch() once per sample")
     ap.add_argument("--storage", choices=STORAGES, default="file",
                     help="count reads on a local/shared file (default), or GETs of an fsspec "
@@ -841,7 +889,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     spec = dataclasses.replace(spec, **over)
     par = parse_layout(a.layout, par)
     par.check()
-    geos = [v3.Geometry.parse(g) for g in a.v3.split(",") if g]
+    geos = [Geometry.parse(g) for g in a.v3.split(",") if g]
     schema = RoutingSchema.from_hf_config(DEEPSEEK_V3)
     coords = pick_coords(par, a.coords, a.all_ranks or a.quick, a.seed)
     workdir = a.workdir or tempfile.mkdtemp(prefix="rr-scale-")
@@ -853,13 +901,13 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
               f"{schema.num_moe_layers} MoE (first {schema.moe_layer_ids[0]} dense), "
               f"E={schema.num_experts}, K={schema.top_k}")
         print(f"Storage: {a.storage}; replayer calls: "
-              f"{'read() per token run (main today)' if a.per_run else 'fetch() per sample'}")
+              f"{'read() per token run' if a.per_run else 'fetch() per sample'}")
         print(f"Trainer: {par.label()} -> {par.world} GPUs; simulating {len(coords)} (DP,CP,TP) "
               f"coordinates x {par.pp} PP stages = {len(coords) * par.pp} ranks; "
               f"prefetch {a.prefetch}")
         written = write_step(spec, schema, workdir, geos)
-        kinds = [("v2 today", "v2", written.v2_paths)] + \
-                [(f"v3 {g}", "v3", written.v3_paths[g]) for g in geos]
+        kinds = [(V2, "v2", written.v2_paths)] + \
+                [(v3_name(g), "v3", written.v3_paths[g]) for g in geos]
         tracemalloc.start()
         try:
             res = run_layout(written, par, schema, coords, a.prefetch, kinds, a.per_run,
@@ -868,12 +916,12 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         finally:
             tracemalloc.stop()
         raw = written.routing_rows * schema.num_moe_layers * schema.top_k
-        stored = {"v2 today": written.v2_bytes}
-        stored.update({f"v3 {g}": written.v3_bytes[g] for g in geos})
+        stored = {V2: written.v2_bytes}
+        stored.update({v3_name(g): written.v3_bytes[g] for g in geos})
         rate = naive_decode_rate(schema)
         naive_b = written.routing_rows * schema.num_hidden_layers * schema.top_k * 4
         stored["naive int32"] = naive_b
-        res = {"naive int32": naive_ranks(schema, written, rate, res["v2 today"]), **res}
+        res = {"naive int32": naive_ranks(schema, written, rate, res[V2]), **res}
         plan = plan_step(written.lengths, par)
         n_mb = [len(m) for m in plan.microbatches]
         alone = sum(1 for mbs in plan.microbatches for m in mbs
@@ -890,12 +938,13 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         print("\n".join(rank_table(res, stored, raw)))
         print()
         print("\n".join(choice_table(res, stored, raw)))
-        v2 = res["v2 today"]
+        v2 = res[V2]
         empty = [r for r in v2 if r.empty_loads]
         print()
-        print(f"v2: (microbatch, chunk) loads with no MoE layer (dense-only or loss-only "
-              f"chunks) still read whole frames: {sum(r.empty_loads for r in v2)} of "
-              f"{sum(r.loads for r in v2)} loads, on {len(empty)} of {len(v2)} ranks")
+        print(f"(microbatch, chunk) loads with no MoE layer (dense-only or loss-only chunks): "
+              f"{sum(r.empty_loads for r in v2)} of {sum(r.loads for r in v2)} loads, on "
+              f"{len(empty)} of {len(v2)} ranks; format 2 reads their whole frames, format 3 "
+              "their heads only")
         report = {"spec": dataclasses.asdict(spec), "layout": dataclasses.asdict(par),
                   "tokens": int(written.lengths.sum()), "routing_rows": written.routing_rows,
                   "stored": stored, "raw_routing": raw, "naive_decode_rate": rate,
@@ -920,7 +969,7 @@ def _medians(rs: list[RankResult]) -> dict[str, float]:
 
 
 def growth(spec: StepSpec, par: Parallel, schema: RoutingSchema, coords, prefetch: int,
-           geos: Sequence[v3.Geometry], workdir: str, base_res: dict[str, list[RankResult]],
+           geos: Sequence[Geometry], workdir: str, base_res: dict[str, list[RankResult]],
            base_written: Written) -> dict[str, Any]:
     """Medians over ranks when the batch, the sequence length, PP or EP doubles, over the
     base run (EP is doubled at DP x 2 against a DP x 2 base: EP must fold into TP*CP*DP)."""
@@ -945,8 +994,8 @@ def growth(spec: StepSpec, par: Parallel, schema: RoutingSchema, coords, prefetc
             sub = os.path.join(workdir, label.split()[0].replace(" ", "_") + "x2")
             os.makedirs(sub, exist_ok=True)
             written = write_step(sp2, schema, sub, geos)
-        kinds = [("v2 today", "v2", written.v2_paths)] + \
-                [(f"v3 {g}", "v3", written.v3_paths[g]) for g in geos]
+        kinds = [(V2, "v2", written.v2_paths)] + \
+                [(v3_name(g), "v3", written.v3_paths[g]) for g in geos]
         tracemalloc.start()
         try:
             res = run_layout(written, par2, schema, coords2, prefetch, kinds, log=lambda s: None)

@@ -165,18 +165,135 @@ def xl_zstd(blob, t, g_count, k, e):
             for row in range(t)]                                            # [T][G][K]
 
 
+def varint(buf, pos):
+    """-> (value, position after it): unsigned LEB128, at most 10 bytes."""
+    n = shift = 0
+    for i in range(10):
+        b = buf[pos + i]
+        n |= (b & 0x7F) << shift
+        if b < 0x80:
+            return n, pos + i + 1
+        shift += 7
+    raise AssertionError("varint longer than 10 bytes")
+
+
+def string(buf, pos):
+    n, pos = varint(buf, pos)
+    assert pos + n <= len(buf)
+    return buf[pos:pos + n].decode("utf-8", "surrogatepass"), pos + n
+
+
+def routing_part(codec, blob, t, g_count, k, e):
+    """One routing section (any version) -> [t][g_count][K]."""
+    item = 1 if e <= 256 else 2
+    if codec == "ctx-zstd":
+        return ctx_zstd(blob, t, g_count, k, e)
+    if codec == "xl-zstd":
+        return xl_zstd(blob, t, g_count, k, e)
+    if codec.startswith("ctx-ans"):
+        return ctx_ans(blob, t, g_count, k, e, codec == "ctx-ans-sorted")
+    assert codec in ("raw-lm", "zstd-lm"), codec
+    raw = blob if codec == "raw-lm" else zstandard.ZstdDecompressor().decompress(blob)
+    vals = struct.unpack(f"<{len(raw) // item}{'B' if item == 1 else 'H'}", raw)
+    return [[list(vals[((g * t) + row) * k:((g * t) + row + 1) * k])
+             for g in range(g_count)] for row in range(t)]
+
+
+def array(name, codec, blob, count):
+    raw = zstandard.ZstdDecompressor().decompress(blob) if codec == "zstd" else blob
+    return list(struct.unpack(f"<{count}{'i' if name == 'token_ids' else 'f'}", raw))
+
+
+def record_v3(payload, pcrc, header, lmoe, k, e):
+    """A version-3 record payload ("Record payload (kind 1), version 3") -> record dict."""
+    m, pos = varint(payload, 0)
+    h = pos + m
+    assert zlib.crc32(payload[:h]) == pcrc                      # the head's CRC
+    flags, pos = varint(payload, pos)
+    assert flags < 512
+    sid, pos = string(payload, pos)
+    t, pos = varint(payload, pos)
+    rec = {"sample_id": sid, "start": 0, "prompt_len": None, "weight_versions": [],
+           "engine": "", "recomputed": [], "prefix_cached": []}
+    b_rows, g_size = max(t, 1), lmoe
+    if flags & 1:
+        b_rows, pos = varint(payload, pos)
+        g_size, pos = varint(payload, pos)
+    if flags & 2:
+        rec["start"], pos = varint(payload, pos)
+    if flags & 4:
+        rec["prompt_len"], pos = varint(payload, pos)
+    arrays = []
+    for bit, name in ((8, "token_ids"), (16, "logprobs")):
+        if flags & bit:
+            n, pos = varint(payload, pos)
+            arrays.append((name, n))
+    if flags & 32:
+        n, pos = varint(payload, pos)
+        for _ in range(n):
+            v, pos = string(payload, pos)
+            a, pos = varint(payload, pos)
+            ln, pos = varint(payload, pos)
+            rec["weight_versions"].append([v, a, a + ln])
+    if flags & 64:
+        rec["engine"], pos = string(payload, pos)
+    for bit, key in ((128, "recomputed"), (256, "prefix_cached")):
+        if flags & bit:
+            n, pos = varint(payload, pos)
+            for _ in range(n):
+                a, pos = varint(payload, pos)
+                ln, pos = varint(payload, pos)
+                rec[key].append([a, a + ln])
+    assert pos == h
+    n_blocks = max(1, -(-t // b_rows))
+    n_groups = -(-lmoe // g_size)
+    s = n_groups * n_blocks + len(arrays)
+    ends = list(struct.unpack(f"<{s - 1}I", payload[h:h + 4 * (s - 1)]))
+    body = payload[h + 4 * (s - 1):]
+    ends.append(len(body))
+    codecs = header["codecs"]
+    rec["routing"] = [[None] * lmoe for _ in range(t)]
+    for i in range(s):
+        sec = body[(ends[i - 1] if i else 0):ends[i]]
+        assert len(sec) >= 5
+        assert struct.unpack("<I", sec[:4])[0] == zlib.crc32(struct.pack("<I", i) + sec[4:])
+        codec, blob = codecs[sec[4]], sec[5:]
+        if i < n_groups * n_blocks:
+            g, b = divmod(i, n_blocks)
+            l0, l1 = g * g_size, min(lmoe, (g + 1) * g_size)
+            r0, r1 = b * b_rows, min(t, (b + 1) * b_rows)
+            part = routing_part(codec, blob, r1 - r0, l1 - l0, k, e)
+            for row in range(r0, r1):
+                rec["routing"][row][l0:l1] = part[row - r0]
+        else:
+            name, n = arrays[i - n_groups * n_blocks]
+            rec[name] = array(name, codec, blob, n)
+    return rec
+
+
+def index_v3(payload):
+    n, pos = varint(payload, 0)
+    out, off = [], 0
+    for _ in range(n):
+        sid, pos = string(payload, pos)
+        d, pos = varint(payload, pos)
+        off += d
+        out.append([sid, off])
+    assert pos == len(payload)
+    return {"records": out}
+
+
 def read_stream(data):
     """-> (header dict, [record dicts with 'routing' as nested lists [T][L_moe][K]])."""
     assert data[:8] == b"\x89RRSC\r\n\x1a"
     version, flags, j = struct.unpack("<HHI", data[8:16])
-    assert version in (1, 2)
+    assert version in (1, 2, 3)
     hjs = data[16:16 + j]
     assert struct.unpack("<I", data[16 + j:20 + j])[0] == zlib.crc32(hjs)
     header = json.loads(hjs)
     sch = header["schema"]
     lmoe, k, e = len(sch["moe_layer_ids"]), sch["top_k"], sch["num_experts"]
-    item = 1 if e <= 256 else 2
-    off, records, index = 20 + j, [], None
+    off, records, index, offsets = 20 + j, [], None, []
     end = len(data) - 16 if data[-8:] == b"RRSCEND\x00" else len(data)
     while off + 24 <= end:
         magic, kind, plen, pcrc, hcrc = struct.unpack("<4sB3xQII", data[off:off + 24])
@@ -184,10 +301,14 @@ def read_stream(data):
             break                                         # the trailer
         assert hcrc == zlib.crc32(data[off:off + 20])
         payload = data[off + 24:off + 24 + plen]
-        assert zlib.crc32(payload) == pcrc
         if kind == 2:
-            index = json.loads(payload)
+            assert zlib.crc32(payload) == pcrc
+            index = index_v3(payload) if version == 3 else json.loads(payload)
+        elif kind == 1 and version == 3:
+            records.append(record_v3(payload, pcrc, header, lmoe, k, e))
+            offsets.append(off)
         elif kind == 1:
+            assert zlib.crc32(payload) == pcrc
             (mlen,) = struct.unpack("<I", payload[:4])
             meta = json.loads(payload[4:4 + mlen])
             body = payload[4 + mlen:]
@@ -195,6 +316,8 @@ def read_stream(data):
             rec = {"sample_id": meta["sample_id"], "start": meta.get("start", 0),
                    "prompt_len": meta.get("prompt_len"),
                    "weight_versions": meta.get("weight_versions", []),
+                   "engine": meta.get("engine", ""), "recomputed": meta.get("recomputed", []),
+                   "prefix_cached": meta.get("prefix_cached", []),
                    "routing": [[None] * lmoe for _ in range(t)]}
             pos = 0
             for sec in meta["sections"]:
@@ -208,25 +331,16 @@ def read_stream(data):
                     pos += length
                 if name == "routing":
                     l0, l1 = dims
-                    if codec == "ctx-zstd":
-                        part = ctx_zstd(blob, t, l1 - l0, k, e)
-                    elif codec == "xl-zstd":
-                        part = xl_zstd(blob, t, l1 - l0, k, e)
-                    elif codec.startswith("ctx-ans"):
-                        part = ctx_ans(blob, t, l1 - l0, k, e, codec == "ctx-ans-sorted")
-                    else:
-                        raw = blob if codec == "raw-lm" else zstandard.ZstdDecompressor().decompress(blob)
-                        vals = struct.unpack(f"<{len(raw) // item}{'B' if item == 1 else 'H'}", raw)
-                        part = [[list(vals[((g * t) + row) * k:((g * t) + row + 1) * k])
-                                 for g in range(l1 - l0)] for row in range(t)]
+                    part = routing_part(codec, blob, t, l1 - l0, k, e)
                     for row in range(t):
                         rec["routing"][row][l0:l1] = part[row]
                 elif name in ("token_ids", "logprobs"):
-                    raw = zstandard.ZstdDecompressor().decompress(blob) if codec == "zstd" else blob
-                    rec[name] = list(struct.unpack(f"<{dims[0]}{'i' if name == 'token_ids' else 'f'}", raw))
+                    rec[name] = array(name, codec, blob, dims[0])
             records.append(rec)
+            offsets.append(off)
         off += 24 + plen
     if index is not None:
         assert struct.unpack("<8s", data[-8:])[0] == b"RRSCEND\x00"
         assert [sid for sid, _ in index["records"]] == [r["sample_id"] for r in records]
+        assert [o for _, o in index["records"]] == offsets
     return header, records

@@ -121,13 +121,17 @@ def test_ctx_ans_corrupt_sections_are_our_error():
 
 
 def test_independent_reader_decodes_what_we_write():
-    """tests/spec_reader.py is written from docs/FORMAT.md alone (no numpy, no routereplay)."""
-    for e, k, order, name in [
+    """tests/spec_reader.py is written from docs/FORMAT.md alone (no numpy, no routereplay):
+    version 3 as one section and as a grid (token blocks x layer groups), and version 2."""
+    geometries = [{}, dict(token_block=16, layer_group=4, one_section_bytes=0),
+                  dict(format_version=2, layer_group=4),
+                  dict(token_block=7, layer_group=1, one_section_bytes=100)]
+    for case, (e, k, order, name) in enumerate([
             (16, 4, "engine", None), (300, 3, "engine", None), (3, 2, "engine", None),
             (5, 3, "engine", None), (11, 3, "engine", None), (60, 5, "engine", None),
             (16, 4, "sorted", "ctx-zstd"),
             (16, 4, "engine", "ctx-ans"), (300, 3, "engine", "ctx-ans"),
-            (16, 4, "sorted", None), (8, 8, "engine", "ctx-ans")]:
+            (16, 4, "sorted", None), (8, 8, "engine", "ctx-ans"), (16, 4, "engine", "xl-zstd")]):
         schema = RoutingSchema(num_hidden_layers=7, moe_layer_ids=(1, 2, 3, 4, 5, 6), top_k=k,
                                num_experts=e)
         rng = np.random.default_rng(e + k)
@@ -139,13 +143,16 @@ def test_independent_reader_decodes_what_we_write():
                 sample_id=f"s{i}", expert_ids=ids.astype(schema.id_dtype), start=i, prompt_len=n // 2,
                 token_ids=rng.integers(0, 1000, n).astype(np.int32),
                 logprobs=-rng.random(n - n // 2).astype(np.float32),
-                weight_versions=[WeightVersionSpan("w1", 0, n)] if i else []))
-        data = write_records(None, schema, recs, layer_group=4, column_order=order,
-                             codec=name).getvalue()
+                weight_versions=[WeightVersionSpan("w1", 0, n)] if i else [],
+                recomputed=[(1, 3)] if i == 2 else [], prefix_cached=[(0, 2)] if i == 2 else [],
+                engine="vllm 0.32" if i == 1 else ""))
+        data = write_records(None, schema, recs, column_order=order, codec=name,
+                             **geometries[case % len(geometries)]).getvalue()
         header, got = spec_reader.read_stream(data)
         assert header["column_order"] == order
+        v2 = geometries[case % len(geometries)].get("format_version") == 2
         assert header["codec"] == name or (name is None and header["codec"] == (
-            "ctx-zstd" if order == "engine" else "ctx-ans-sorted"))
+            ("ctx-zstd" if v2 else "xl-zstd") if order == "engine" else "ctx-ans-sorted"))
         assert [r["sample_id"] for r in got] == ["s0", "s1", "s2", "s3"]
         for rec, g in zip(recs, got):
             want = np.sort(rec.expert_ids, -1) if order == "sorted" else rec.expert_ids
@@ -153,6 +160,8 @@ def test_independent_reader_decodes_what_we_write():
             assert g["token_ids"] == rec.token_ids.tolist() and g["start"] == rec.start
             np.testing.assert_array_equal(np.float32(g["logprobs"]), rec.logprobs)
             assert g["weight_versions"] == [[s.version, s.start, s.end] for s in rec.weight_versions]
+            assert g["engine"] == rec.engine and g["recomputed"] == [list(x) for x in rec.recomputed]
+            assert g["prefix_cached"] == [list(x) for x in rec.prefix_cached]
         # and our own reader agrees
         r = SidecarReader(data)
         np.testing.assert_array_equal(r.read("s2").expert_ids, np.sort(recs[2].expert_ids, -1)
@@ -454,3 +463,20 @@ def test_cross_layer_source_probabilities_are_exact_and_layers_depend():
     flat = CrossLayerRouting.make(np.random.default_rng(0), 8, 8, 2, repeat=0.0, skew=0.0,
                                   coupling=0.0).sample(np.random.default_rng(2), 4000)[1]
     assert flat == pytest.approx(math.log2(8 * 7), rel=0.01)
+
+
+@pytest.mark.parametrize("name", ["ctx-zstd", "xl-zstd", "ctx-ans"])
+def test_encode_grid_equals_sections_encoded_one_by_one(name):
+    """The version-3 writer codes a record's grid in one pass (codec.encode_grid); each
+    section must be exactly what encode() gives for its slice (equal input, equal bytes)."""
+    cases = [(256, 8, 1500, 6, 512, 1), (300, 3, 700, 5, 100, 2), (8, 2, 777, 7, 64, 3),
+             (5, 3, 100, 4, 7, 4), (16, 4, 0, 3, 8, 1), (16, 4, 1, 3, 8, 2)]
+    for e, k, t, nl, b, g in cases[:3] if name == "ctx-ans" else cases:
+        ids, _ = routing_trace(np.random.default_rng(e), t, nl, e, k, 0.5, 1.0)
+        ids = ids.astype(np.uint8 if e <= 256 else np.uint16)
+        got = codec.encode_grid(ids, name, e, b, g)
+        want = [codec.encode(np.ascontiguousarray(ids[r:r + b, lo:lo + g]), name, e)
+                for lo in range(0, nl, g) for r in range(0, max(t, 1), b)]
+        assert got == want, (e, k, t)
+        part = ids[:b, :g]
+        np.testing.assert_array_equal(codec.decode(got[0], name, part.shape, ids.dtype, e), part)

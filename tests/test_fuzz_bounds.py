@@ -16,7 +16,7 @@ from routereplay.testing import crafted
 
 MiB = 1 << 20
 SCHEMAS = [RoutingSchema(4, (1, 2, 3), 4, 16), RoutingSchema(2, (0, 1), 2, 512)]
-CODECS = ["ctx-zstd", "ctx-ans", "zstd-lm", "raw-lm"]
+CODECS = ["xl-zstd", "ctx-zstd", "ctx-ans", "zstd-lm", "raw-lm"]
 
 
 def _mutate(rng, meta, parts, schema):

@@ -22,6 +22,7 @@ from routereplay.errors import (RecordError, RouteReplayError, SidecarError,
                                 UnknownSampleError)
 from routereplay.schema import RoutingSchema
 from routereplay.sidecar import SidecarReader, SidecarWriter, write_records
+from routereplay.testing import crafted
 from tests.conftest import random_record
 
 MiB = 1 << 20
@@ -42,24 +43,21 @@ def measure(fn):
     return err, cpu, peak
 
 
-def forge(schema, rec, edit_meta=None, replace=None, codec_name=None):
+def forge(schema, rec, edit_meta=None, replace=None, codec_name=None, version=3):
     """A one-record stream whose payload was edited and re-framed with valid CRCs:
-    ``replace`` maps a section name to its new bytes, ``edit_meta`` edits the meta JSON."""
-    payload = sc.encode_record_payload(rec, schema, **({"codec": codec_name} if codec_name else {}))
-    (mlen,) = struct.unpack("<I", payload[:4])
-    meta = json.loads(payload[4:4 + mlen])
-    body, parts, pos = payload[4 + mlen:], [], 0
-    for sec in meta["sections"]:
-        parts.append(body[pos:pos + sec[2]])
-        pos += sec[2]
+    ``replace`` maps a section name to its new bytes, ``edit_meta`` edits the meta
+    (routereplay.testing.crafted's editable form, the same for versions 2 and 3)."""
+    kw = {"codec": codec_name} if codec_name else {}
+    if version >= 3:
+        kw["codecs"] = crafted.CODECS_V3
+    meta, parts = crafted.split_payload(sc.encode_record_payload(rec, schema, version=version,
+                                                                 **kw), version, schema)
+    for i, sec in enumerate(meta["sections"]):
         if replace and sec[0] in replace:
-            parts[-1] = replace[sec[0]]
-            sec[2] = len(parts[-1])
+            parts[i] = replace[sec[0]]
     if edit_meta:
         edit_meta(meta)
-    js = json.dumps(meta).encode()
-    return sc.encode_header(schema) + sc.encode_frame(
-        sc.KIND_RECORD, struct.pack("<I", len(js)) + js + b"".join(parts))
+    return crafted.stream(schema, [crafted.join_payload(meta, parts, version)], version)
 
 
 def _set(name, index, value):
@@ -205,7 +203,7 @@ def test_expansion_limit_writer_falls_back_and_reader_accepts(schema):
     ids = np.tile(np.array([[[1, 2, 3, 4]]], np.uint8), (200_000, 3, 1))   # constant routing
     from routereplay.record import RoutingRecord
     r = RoutingRecord("const", ids)
-    for c in ("ctx-ans", "ctx-zstd"):
+    for c in ("ctx-ans", "ctx-zstd", "xl-zstd"):
         data = write_records(None, schema, [r], codec=c).getvalue()
         rd = SidecarReader(data)
         np.testing.assert_array_equal(rd.read("const").expert_ids, ids)
@@ -250,14 +248,19 @@ def test_stream_cut_at_a_frame_boundary_is_not_complete(schema):
 
 # --- kind 12: corrupt frames never hide later records or turn into "not in" ----------------
 
-def test_records_non_strict_continues_after_a_frame_that_does_not_decode(schema):
+@pytest.mark.parametrize("version", [2, 3])
+def test_records_non_strict_continues_after_a_frame_that_does_not_decode(schema, version):
     recs = [random_record(schema, f"r{i}", 10 + i, i) for i in range(3)]
-    payloads = [sc.encode_record_payload(x, schema) for x in recs]
-    (mlen,) = struct.unpack("<I", payloads[1][:4])
+    payloads = [sc.encode_record_payload(x, schema, version=version) for x in recs]
     bad = bytearray(payloads[1])
-    bad[4 + mlen + 2] ^= 0xFF                           # routing bytes: CRC re-computed below
-    data = sc.encode_header(schema) + b"".join(
-        sc.encode_frame(sc.KIND_RECORD, bytes(p)) for p in (payloads[0], bad, payloads[2]))
+    if version == 2:
+        (mlen,) = struct.unpack("<I", payloads[1][:4])
+        bad[4 + mlen + 2] ^= 0xFF                       # routing bytes: CRC re-computed below
+    else:
+        bad[payloads[1].head_len + 5 + 2] ^= 0xFF       # the routing section's data
+        bad = crafted.reseal(bytes(bad), schema)        # its CRC made valid again
+    data = sc.encode_header(schema, version=version) + b"".join(
+        sc.encode_frame(sc.KIND_RECORD, p) for p in (payloads[0], bad, payloads[2]))
     r = SidecarReader(data)
     got = [x.sample_id for x in r.records(strict=False)]
     assert got == ["r0", "r2"]

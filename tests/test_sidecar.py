@@ -172,52 +172,84 @@ _FUZZ_BASE: dict = {}
 def test_layer_groups_decode_only_requested(schema, monkeypatch):
     from routereplay import codec
     rec = random_record(schema, "g", 20, 3)
-    data = write_records(None, schema, [rec], layer_group=1).getvalue()
     calls = []
     real = codec.decode
     monkeypatch.setattr(codec, "decode", lambda *a, **k: calls.append(a[2]) or real(*a, **k))
-    part = SidecarReader(data).read("g", layers=[1])
-    np.testing.assert_array_equal(part.expert_ids, rec.expert_ids[:, [1]])
-    assert calls == [(19, 1, 4)]            # one of three layer sections decoded
+    # a grid of 8-row x 1-layer sections (one_section_bytes=0: even this short record)
+    data = write_records(None, schema, [rec], layer_group=1, token_block=8,
+                         one_section_bytes=0, min_section_bytes=0).getvalue()
+    part = SidecarReader(data).read("g", layers=[1], tokens=(10, 14), arrays=False)
+    np.testing.assert_array_equal(part.expert_ids, rec.expert_ids[10:14, [1]])
+    assert calls == [(8, 1, 4)]             # one of 3 x 3 sections decoded
+    calls.clear()
+    v2 = write_records(None, schema, [rec], layer_group=1, format_version=2).getvalue()
+    np.testing.assert_array_equal(SidecarReader(v2).read("g", layers=[1]).expert_ids,
+                                  rec.expert_ids[:, [1]])
+    assert calls == [(19, 1, 4)]            # version 2: one of three layer sections
+    calls.clear()
+    small = write_records(None, schema, [rec]).getvalue()     # 228 bytes of ids: one section
+    np.testing.assert_array_equal(SidecarReader(small).read("g", layers=[1]).expert_ids,
+                                  rec.expert_ids[:, [1]])
+    assert calls == [(19, 3, 4)]
 
 
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(data=st.data())
 def test_fuzz_payload_with_valid_checksums(data):
-    """Mutate a record payload and re-frame it with valid CRCs: the metadata and codec
-    paths must still only raise our errors (and never allocate by forged sizes)."""
+    """Mutate a record payload and re-frame it with valid CRCs (version 3: the head's in the
+    frame, every section's own): the metadata, table and codec paths must still only raise
+    our errors (and never allocate by forged sizes)."""
     from routereplay.schema import RoutingSchema
+    from routereplay.sidecar.layout import read_varint
+    from routereplay.testing import crafted
     schema = RoutingSchema(4, (1, 2, 3), 4, 16)
     rec = _FUZZ_BASE.setdefault("rec", random_record(schema, "f", 30, 1))
-    payload = bytearray(sc.encode_record_payload(rec, schema))
-    mlen = struct.unpack("<I", payload[:4])[0]
+    version = data.draw(st.sampled_from([2, 3]))
+    grid = dict(token_block=8, one_section_bytes=0, min_section_bytes=0) \
+        if data.draw(st.booleans()) else {}
+    payload = bytearray(sc.encode_record_payload(rec, schema, version=version,
+                                                 codecs=crafted.CODECS_V3,
+                                                 **(grid if version == 3 else {})))
+    if version == 2:
+        mlen = struct.unpack("<I", payload[:4])[0] + 4
+    else:
+        m, pos = read_varint(payload, 0)
+        mlen = pos + m
     for _ in range(data.draw(st.integers(1, 6))):
-        # bias mutations towards the JSON meta, where digits change sizes and offsets
-        hi = mlen + 4 if data.draw(st.booleans()) else len(payload)
+        # bias mutations towards the meta, where digits change sizes and offsets
+        hi = mlen if data.draw(st.booleans()) else len(payload)
         i = data.draw(st.integers(0, hi - 1))
-        payload[i] = data.draw(st.sampled_from(list(b'0123456789[]{}",:-e9')) | st.integers(0, 255))
-    blob = sc.encode_header(schema) + sc.encode_frame(sc.KIND_RECORD, bytes(payload))
+        payload[i] = data.draw(st.sampled_from(list(b'0123456789[]{}",:-e9\x00\x7f\x80\xff'))
+                               | st.integers(0, 255))
+    if version == 3:
+        payload = crafted.reseal(bytes(payload), schema)
+    blob = sc.encode_header(schema, version=version, codecs=crafted.CODECS_V3) + sc.encode_frame(
+        sc.KIND_RECORD, payload)
     try:
         r = SidecarReader(blob)
         list(r.records(strict=False))
         for sid in r.sample_ids():
             r.read(sid)
+            r.fetch(sid, [2], [(3, 20)])
     except (RouteReplayError, KeyError):
         pass
 
 
-def test_forged_index_never_returns_another_sample(schema):
+@pytest.mark.parametrize("version", [2, 3])
+def test_forged_index_never_returns_another_sample(schema, version):
     recs = _records(schema, 2)
-    data = write_records(None, schema, recs).getvalue()
-    offs = [f.offset for f in SidecarReader(data).scan()]
-    idx = ('{"records":[["r0",%d],["r1",%d]]}' % (offs[1], offs[0])).encode()
-    index_off = len(data) - 16 - sc.FRAME_HEADER_SIZE - len(
-        b'{"records":[["r0",%d],["r1",%d]]}' % (offs[0], offs[1]))
+    data = write_records(None, schema, recs, format_version=version).getvalue()
+    r = SidecarReader(data)
+    offs = [f.offset for f in r.scan()]
+    index_off = struct.unpack("<Q", data[-16:-8])[0]
+    # the index names each sample at the other's frame
+    idx = sc.layout.encode_index([("r1", offs[0]), ("r0", offs[1])], version)
     forged = data[:index_off] + sc.encode_frame(sc.KIND_INDEX, idx) + struct.pack(
         "<Q8s", index_off, sc.TRAILER_MAGIC)
     r = SidecarReader(forged)
     _assert_same(recs[0], r.read("r0"))
     _assert_same(recs[1], r.read("r1"))
+    assert any("listed in the index" in e for e in r.errors)
 
 
 def test_deeply_nested_json_is_our_error(schema):
@@ -312,11 +344,16 @@ def test_sorted_column_order_stream(schema):
 
 def test_compact_meta_is_small(schema):
     rec = random_record(schema, "m", 30, 1)
-    payload = sc.encode_record_payload(rec, schema)
+    payload = sc.encode_record_payload(rec, schema, version=2)
     mlen = struct.unpack("<I", payload[:4])[0]
     meta = payload[4:4 + mlen]
     assert b'"start"' not in meta and b'"recomputed"' not in meta and b'"offset"' not in meta
     assert mlen < 200, meta
+    # version 3: binary meta: flags, id, T, prompt_len, counts, one version span, engine
+    v3 = sc.encode_record_payload(rec, schema)
+    # M, flags, len + 'm', T, prompt_len, N, G, span count + len + 'v0' + start + length,
+    # len + 'test'
+    assert v3.head_len == 1 + 1 + 2 + 1 + 1 + 1 + 1 + (1 + 3 + 1 + 1) + 5, v3[:v3.head_len]
 
 
 def test_writer_refuses_what_readers_reject_and_indexes_after_a_failure(schema):
@@ -359,3 +396,209 @@ def test_spliced_stream_with_duplicate_ids_keeps_the_first(schema):
     r = SidecarReader(data)
     assert r.sample_ids() == ["x"] and "duplicate sample id 'x'" in r.errors[0]
     assert r.read("x").num_tokens == 9
+
+
+# --- format version 3: ranged reads, per-section checks, per-record overhead ----------------
+
+
+class CountingFile(io.BytesIO):
+    """A seekable file that counts read requests and bytes (one request per read call)."""
+
+    def __init__(self, data):
+        super().__init__(data)
+        self.requests = self.bytes = 0
+
+    def read(self, n=-1):
+        b = super().read(n)
+        self.requests += 1
+        self.bytes += len(b)
+        return b
+
+
+def _grid_stream(schema8, n=3, t=3000, **kw):
+    from routereplay.record import RoutingRecord
+    rng = np.random.default_rng(4)
+    recs = []
+    for i in range(n):
+        ids, _ = __import__("routereplay.testing", fromlist=["x"]).routing_trace(
+            rng, t, schema8.num_moe_layers, schema8.num_experts, schema8.top_k, 0.3, 1.0)
+        recs.append(RoutingRecord(f"g{i}", ids, prompt_len=t // 2))
+    return recs, write_records(None, schema8, recs, token_block=256, min_section_bytes=0,
+                               **kw).getvalue()
+
+
+@pytest.fixture
+def schema8():
+    from routereplay.schema import RoutingSchema
+    return RoutingSchema(9, tuple(range(1, 9)), 4, 64)
+
+
+def _sections(reader, sid):
+    """(frame offset, head, section boundaries in the body, body offset) of a record."""
+    h = reader._head(reader._locate(sid).offset)
+    g = h.grid
+    payload_at = h.offset + 24
+    raw = reader._read(payload_at, h.payload_len)
+    ends = [0] + np.frombuffer(raw[g.head_len:g.head_len + g.table_len], "<u4").tolist() \
+        + [h.payload_len - h.body_at]
+    return h, ends, payload_at + h.body_at
+
+
+def test_v3_fetch_reads_only_the_head_its_table_entries_and_its_sections(schema8):
+    recs, data = _grid_stream(schema8)
+    f = CountingFile(data)
+    r = SidecarReader(f)
+    h, ends, _ = _sections(SidecarReader(data), "g1")
+    g = h.grid
+    assert (g.token_block, g.layer_group, g.n_blocks, g.n_groups) == (256, 1, 12, 8)
+    nb = g.n_blocks
+    f.requests = f.bytes = 0
+    ids, first = r.fetch("g1", [2, 3], [(300, 700)])[0]
+    np.testing.assert_array_equal(ids, recs[1].expert_ids[300:700, [2, 3]])
+    assert first == 300
+    need = [gi * nb + b for gi in (2, 3) for b in (1, 2)]          # rows [256, 768)
+    sections = sum(ends[i + 1] - ends[i] for i in need)
+    # the head read (256 bytes at the frame) also holds table entries 2nb .. 3nb+2
+    assert h.grid.head_len + 4 * (3 * nb + 3) <= 256 - 24
+    assert f.requests == 3                  # the head, then two runs of sections
+    assert f.bytes == 256 + sections, (f.bytes, sections)
+    assert f.bytes < 0.06 * (24 + h.payload_len)
+    # the head is cached: a second fetch reads table entries (6nb-1 .. 7nb) and sections only
+    f.requests = f.bytes = 0
+    np.testing.assert_array_equal(r.fetch("g1", [6], [(0, 10), (2990, 3100)])[1][0],
+                                  recs[1].expert_ids[2990:, [6]])
+    need = [6 * nb + 0, 6 * nb + nb - 1]
+    assert f.requests == 3 and f.bytes == 4 * (nb + 1) + sum(ends[i + 1] - ends[i] for i in need)
+
+
+def test_v3_fetch_without_moe_layers_reads_no_section(schema8):
+    recs, data = _grid_stream(schema8)
+    f = CountingFile(data)
+    r = SidecarReader(f)
+    f.requests = f.bytes = 0
+    (ids, first), = r.fetch("g2", [], [(10, 50)])
+    assert ids.shape == (40, 0, 4) and first == 10
+    assert f.requests == 1 and f.bytes == 256                     # the head only
+    r.fetch("g2", [], [(10, 50)])
+    assert f.requests == 1                                        # cached: nothing more
+
+
+def test_v3_corrupt_section_costs_only_its_rows(schema8):
+    recs, data = _grid_stream(schema8)
+    h, ends, body_at = _sections(SidecarReader(data), "g0")
+    nb = h.grid.n_blocks
+    bad = bytearray(data)
+    bad[body_at + ends[1 * nb + 0] + 9] ^= 0x10                   # MoE layer 1, rows [0, 256)
+    r = SidecarReader(bytes(bad))
+    np.testing.assert_array_equal(r.fetch("g0", [0, 2], [(0, 3000)])[0][0],
+                                  recs[0].expert_ids[:, [0, 2]])
+    np.testing.assert_array_equal(r.fetch("g0", [1], [(256, 400)])[0][0],
+                                  recs[0].expert_ids[256:400, [1]])
+    with pytest.raises(SidecarError, match=r"sample 'g0' \(frame at offset \d+\): section 12 "
+                       r"\(MoE layers \[1, 2\), rows \[0, 256\)\): checksum mismatch"):
+        r.fetch("g0", [1], [(100, 300)])
+    with pytest.raises(SidecarError, match="'g0'"):
+        r.read("g0")
+    r2 = SidecarReader(bytes(bad))
+    r2.scan()                                                     # a scan checks every byte
+    assert any("'g0'" in e and "section 12" in e for e in r2.errors)
+    assert r2.sample_ids() == ["g1", "g2"]
+
+
+def test_v3_forged_table_entry_in_an_indexed_stream(schema8):
+    """The table is not checksummed: a forged entry is caught by the sections' CRCs (which
+    cover each section's index) or by the entries' order, never read as another section."""
+    recs, data = _grid_stream(schema8)
+    h, ends, body_at = _sections(SidecarReader(data), "g1")
+    table_at = h.offset + 24 + h.grid.head_len
+    nb = h.grid.n_blocks
+    for i, value, why in ((3, ends[3], "overlapping"),          # section 3 ends where 2 did
+                          (3, ends[5], "checksum mismatch"),    # section 3 swallows 4
+                          (3, 1 << 31, "overlapping")):         # past the body
+        bad = bytearray(data)
+        bad[table_at + 4 * i:table_at + 4 * i + 4] = struct.pack("<I", value)
+        r = SidecarReader(bytes(bad))
+        with pytest.raises(SidecarError, match=f"sample 'g1'.*section 3.*{why}"):
+            r.fetch("g1", [0], [(3 * 256, 4 * 256)])
+        np.testing.assert_array_equal(r.fetch("g1", [1], [(0, 3000)])[0][0],
+                                      recs[1].expert_ids[:, [1]])
+        assert nb > 5
+
+
+def test_v3_per_record_overhead_is_36_plus_twice_the_id(schema):
+    """A short routing-only record costs 36 + 2 x len(sample id) bytes beyond its section's
+    coded data (docs/FORMAT.md "Per-record overhead")."""
+    from routereplay.record import RoutingRecord
+    from routereplay.sidecar.layout import encode_header
+    recs = [RoutingRecord(f"id{i:03d}", random_record(schema, "x", 100, i).expert_ids)
+            for i in range(20)]
+    data = write_records(None, schema, recs).getvalue()
+    header = len(encode_header(schema))
+    coded = sum(len(codec.encode(x.expert_ids, codec.DEFAULT_CODEC, schema.num_experts))
+                for x in recs)
+    stream_fixed = header + 24 + 1 + 16             # index frame header, count, trailer
+    per_record = (len(data) - stream_fixed - coded) / len(recs)
+    assert per_record == 36 + 2 * 5, per_record
+    v2 = write_records(None, schema, recs, format_version=2).getvalue()
+    assert (len(v2) - len(data)) / len(recs) > 60          # version 2: about 120 bytes
+
+
+def test_v2_writer_option_round_trips_and_old_readers_refuse_v3(schema):
+    recs = _records(schema, 3)
+    v2 = write_records(None, schema, recs, format_version=2).getvalue()
+    r = SidecarReader(v2)
+    assert r.version == 2 and r.layer_group == 3          # groups of 4, clamped to L_moe
+    for a, b in zip(recs, r.records()):
+        _assert_same(a, b)
+    assert struct.unpack("<H", write_records(None, schema, recs).getvalue()[8:10]) == (3,)
+    with pytest.raises(ValueError, match="format_version"):
+        SidecarWriter(None, schema, format_version=4)
+
+
+def test_v3_repetitive_records_get_longer_token_blocks(schema8):
+    """Sections that code to less than min_section_bytes on average (90 % repeats) are
+    merged along tokens: fewer sections, each about that size, and a smaller record."""
+    from routereplay.record import RoutingRecord
+    from routereplay.testing import routing_trace
+    ids, _ = routing_trace(np.random.default_rng(3), 4096, 8, 64, 4, 0.95, 1.0)
+    rec = RoutingRecord("rep", ids)
+    merged = write_records(None, schema8, [rec], token_block=256).getvalue()
+    plain = write_records(None, schema8, [rec], token_block=256, min_section_bytes=0).getvalue()
+    g = SidecarReader(merged)._head(SidecarReader(merged)._locate("rep").offset).grid
+    assert g.token_block > 256 and g.token_block % 256 == 0 and len(merged) < 0.9 * len(plain)
+    np.testing.assert_array_equal(SidecarReader(merged).fetch("rep", [3], [(100, 3000)])[0][0],
+                                  ids[100:3000, [3]])
+
+
+# --- issue 13 bug 2: the demo's bytes per row come from the stored section lengths ----------
+@pytest.mark.parametrize("format_version", [2, 3])
+def test_record_bytes_and_demo_figure_use_stored_section_lengths(tmp_path, schema, format_version):
+    from routereplay.cli.demo.run import routing_only_bytes
+    from routereplay.sidecar import SidecarWriter
+    recs = [random_record(schema, f"s{i}", 40 + 13 * i, i) for i in range(4)]
+    path = str(tmp_path / "raw.rrsc")
+    # a stream stored with the raw codec: a re-encoding with the default codec would
+    # report fewer bytes than the stream holds
+    w = SidecarWriter(path, schema, codec="raw-lm", format_version=format_version,
+                      background=False)
+    for r in recs:
+        w.write(r)
+    w.close()
+    k = schema.top_k
+    with SidecarReader(path) as r:
+        sizes = [r.record_bytes(x.sample_id) for x in recs]
+        frames = r.scan()
+    for rec, b, fi in zip(recs, sizes, frames):
+        raw = rec.expert_ids.size * rec.expert_ids.itemsize
+        assert b.routing >= raw                          # the ids are stored raw
+        per_section = 5 if format_version == 3 else 0   # v3: CRC + codec byte per section
+        assert b.routing - raw == per_section * b.routing_sections
+        assert set(b.arrays) == {"token_ids", "logprobs"}
+        assert b.arrays["token_ids"] > 0 and b.arrays["logprobs"] > 0
+        assert b.routing_frame == b.frame - sum(b.arrays.values())
+        assert b.frame == 24 + fi.payload_len              # frame header + payload
+    got, rows = routing_only_bytes(path)
+    assert rows == sum(x.num_tokens for x in recs) * schema.num_moe_layers
+    size = os.path.getsize(path)
+    assert got == size - sum(sum(b.arrays.values()) for b in sizes)
+    assert got >= rows * k                               # at least the raw ids (uint8)

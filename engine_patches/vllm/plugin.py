@@ -26,7 +26,7 @@ Environment:
   the record's frame is written and flushed to the OS (readable at once by a reader on the
   same file system); served responses carry that small reference instead of the base64
   array. Default: vLLM's outputs and responses are unchanged.
-- ``ROUTEREPLAY_CODEC``: routing codec of the streams (default ``ctx-zstd``).
+- ``ROUTEREPLAY_CODEC``: routing codec of the streams (default: the writer's, ``xl-zstd``).
 
 Stream lifecycle (one closed, indexed stream per policy version): every weight-version
 change in this process (``LLM.update_weight_version``, ``finish_weight_update(weight_version=)``,
@@ -101,7 +101,7 @@ def install(dest: str, *, reference: bool = False, codec: str | None = None,
     Args:
         dest: file path, fsspec URL, or folder.
         reference: hand out :class:`SidecarRef` references (``ROUTEREPLAY_RESPONSE``).
-        codec: routing codec (default ``ctx-zstd``).
+        codec: routing codec (default: the writer's, ``xl-zstd``).
         schema: the model's RoutingSchema, for an engine built before this call (otherwise
             taken from the next engine's config).
         weight_version: label of the first stream (default: the first record's version).

@@ -226,7 +226,7 @@ def _cmd_convert(a: argparse.Namespace) -> int:
                          "--top-k and --moe-layers or --num-layers")
     try:
         schema = schema_from_args(a.config, a.num_experts, a.top_k, a.moe_layers, a.num_layers)
-        writer_codec(a.codec, a.column_order)
+        writer_codec(a.codec, a.column_order, a.format_version)
     except (SchemaError, ConfigError) as e:
         where = "--config " + a.config if a.config else "--num-experts/--top-k/--moe-layers"
         if isinstance(e, SchemaError) and a.config:
@@ -252,7 +252,9 @@ def _cmd_convert(a: argparse.Namespace) -> int:
                                num_fused_shared_experts=a.num_fused_shared_experts)
     try:
         with SidecarWriter(dest, schema, codec=a.codec, column_order=a.column_order,
-                           layer_group=a.layer_group, extra_header={"source": a.kind}) as w:
+                           layer_group=a.layer_group, token_block=a.token_block,
+                           format_version=a.format_version,
+                           extra_header={"source": a.kind}) as w:
             for rec in _progress(records, a, desc="convert", unit="record"):
                 w.write(rec)
                 n += 1
@@ -445,10 +447,15 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--num-layers", type=_positive_int,
                    help="num_hidden_layers (default: max MoE layer + 1)")
     c.add_argument("--codec", default=None, choices=CODECS,
-                   help="routing codec (default ctx-zstd; ctx-ans-sorted with --column-order "
-                        "sorted; ctx-ans: smallest, slower)")
+                   help="routing codec (default xl-zstd, ctx-zstd with --format-version 2; "
+                        "ctx-ans-sorted with --column-order sorted; ctx-ans: smallest, slower)")
     c.add_argument("--column-order", default="engine", choices=["engine", "sorted"])
-    c.add_argument("--layer-group", type=_positive_int, default=4, help="MoE layers per section")
+    c.add_argument("--layer-group", type=_positive_int, default=None,
+                   help="MoE layers per routing section (default 1; format 2: 4)")
+    c.add_argument("--token-block", type=_positive_int, default=512,
+                   help="tokens per routing section of records over 64 KiB of ids (default 512)")
+    c.add_argument("--format-version", type=int, choices=[2, 3], default=3,
+                   help="3 (default), or 2 for routereplay readers older than format 3")
     c.add_argument("--num-fused-shared-experts", type=_nonneg_int, default=0, metavar="N",
                    help="sglang-b64/sglang-json: fused shared-expert columns each payload row "
                    "carries after the top_k routed ones (default 0; SGLang 0.5.23 strips them); "

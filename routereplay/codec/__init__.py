@@ -3,14 +3,16 @@
 A codec works on ``ids: uint8|uint16 [T, L_g, top_k]`` (one group of MoE layers) and is
 named by a short string stored in each routing section's metadata (docs/FORMAT.md):
 
-- ``ctx-zstd`` (default): per-layer repeat bitmap and id bytes, then zstd with a Huffman
-  table per layer (routereplay.codec.ctx_zstd). Measured on one core here: 60-360 MB/s
-  encode, 300-3200 MB/s decode for top-2 and wider on records of 1K+ tokens; top-1 and
-  short records are slower (benchmarks/README.md).
-- ``xl-zstd``: per section the smaller of ``ctx-zstd`` (layer-major) and a token-major
-  zstd frame of packed ids (zstd copies a token's path through the layers from an earlier
-  token: the correlation across layers of trained models' routing), with zstd-19 on the
-  plain array as the fallback that bounds it (routereplay.codec.xl_zstd).
+- ``xl-zstd`` (default): per section the smaller of ``ctx-zstd`` (layer-major) and a
+  token-major zstd frame of packed ids (zstd copies a token's path through the layers from
+  an earlier token: the correlation across layers of trained models' routing), with
+  zstd-19 on the plain array as the fallback that bounds it (routereplay.codec.xl_zstd).
+  Chosen by measurement with format 3's geometry (benchmarks/README.md, issue 18): 4-10 %
+  smaller whole files than ``ctx-zstd`` on a trained model's routing, within 0.3 % (a mode
+  byte per section) on synthetic routing; one-layer grid sections code as ``ctx-zstd``.
+- ``ctx-zstd``: per-layer repeat bitmap and id bytes, then zstd with a Huffman table per
+  layer (routereplay.codec.ctx_zstd); the default before format 3, and the default of a
+  ``format_version=2`` writer (readers older than ``xl-zstd`` know it).
 - ``ctx-ans``: our adaptive context model (repeat flags, popularity ranks with
   exclusion) driving constriction's rANS coder (routereplay.codec.ctx_ans). 2-5 % below
   ``ctx-zstd`` on most traces (11 % with long repeat runs), at 5-30 MB/s. Column order
@@ -30,12 +32,13 @@ from routereplay.codec import ctx_ans, ctx_zstd, layer_major, xl_zstd
 from routereplay.codec.layer_major import bounded_zstd_decompress
 from routereplay.errors import ConfigError, RecordError, SidecarError
 
-DEFAULT_CODEC = "ctx-zstd"
+DEFAULT_CODEC = "xl-zstd"
+V2_DEFAULT_CODEC = "ctx-zstd"          # a format-2 writer's default (older readers)
 CODECS = ("ctx-zstd", "xl-zstd", "ctx-ans", "ctx-ans-sorted", "zstd-lm", "raw-lm")
 
 _MODEL_CODECS = ("ctx-zstd", "xl-zstd", "ctx-ans", "ctx-ans-sorted")    # need num_experts
 
-__all__ = ["CODECS", "DEFAULT_CODEC", "encode", "decode", "bounded_zstd_decompress"]
+__all__ = ["CODECS", "DEFAULT_CODEC", "V2_DEFAULT_CODEC", "encode", "encode_grid", "decode", "bounded_zstd_decompress"]
 
 
 def encode(ids: np.ndarray, codec: str = DEFAULT_CODEC, num_experts: int | None = None) -> bytes:
@@ -67,6 +70,29 @@ def encode(ids: np.ndarray, codec: str = DEFAULT_CODEC, num_experts: int | None 
     if codec in ("ctx-ans", "ctx-ans-sorted"):
         return ctx_ans.encode(ids, num_experts, sorted_rows=codec == "ctx-ans-sorted")
     raise ConfigError(f"unknown codec {codec!r}; known: {CODECS}")
+
+
+def encode_grid(ids: np.ndarray, codec: str, num_experts: int | None, token_block: int,
+                layer_group: int) -> list[bytes]:
+    """The sections of a version-3 grid (docs/FORMAT.md "Sections"): ids [T, L, top_k]
+    in layer groups of ``layer_group`` x token blocks of ``token_block`` rows, group-major,
+    each exactly ``encode(ids[rows, layers], codec, num_experts)``. ``ctx-zstd`` and
+    ``xl-zstd`` do the per-row work once over the record (their per-section fixed cost is
+    what limits a grid's encode speed).
+
+    Raises:
+        as :func:`encode`.
+    """
+    t, nl = (ids.shape[0], ids.shape[1]) if isinstance(ids, np.ndarray) and ids.ndim == 3 \
+        else (0, 0)
+    if codec in ("ctx-zstd", "xl-zstd") and isinstance(ids, np.ndarray) and ids.ndim == 3 \
+            and ids.dtype in (np.uint8, np.uint16) and num_experts is not None:
+        if codec == "ctx-zstd":
+            return ctx_zstd.encode_grid(ids, num_experts, token_block, layer_group)
+        return xl_zstd.encode_grid(ids, num_experts, token_block, layer_group)
+    return [encode(np.ascontiguousarray(ids[r0:r0 + token_block, l0:l0 + layer_group]), codec,
+                   num_experts)
+            for l0 in range(0, nl, layer_group) for r0 in range(0, max(t, 1), token_block)]
 
 
 def decode(data: bytes, codec: str, shape: tuple[int, int, int], dtype: np.dtype,

@@ -17,11 +17,12 @@ A section (ids ``[T, G, K]``) is one mode byte and a payload:
   ``zstandard.ZstdCompressor(level=19).compress(ids.tobytes())`` takes: the fallback that
   bounds a section by zstd-19 plus one byte.
 
-Encoder (:func:`encode`): mode 0, and mode 1 at a fast setting (zstd lazy2, minimum match
-4); where mode 1 comes within ``LZ_REGIME`` of mode 0, also mode 1 with a near-optimal
-parser of small search depth (zstd btultra; within about 1 % of zstd-19 on packed ids at
-several times its speed). The smallest is kept. Then mode 2 (zstd-19 on the plain
-array, 10x slower than the rest together) where ``check`` asks for it:
+Encoder (:func:`encode`): mode 0, and (sections of more than one MoE layer) mode 1 at a
+fast setting (zstd lazy2, minimum match 4); where mode 1 comes within ``LZ_REGIME`` of mode
+0, also mode 1 with a near-optimal parser of small search depth (zstd btultra; within about
+1 % of zstd-19 on packed ids at several times its speed). The smallest is kept. Then mode
+2 (zstd-19 on the plain array, 10x slower than the rest together) where ``check`` asks for
+it:
 
 - ``"auto"`` (default): for sections of at most ``CHECK_BYTES`` bytes as plain uint8, where
   the models' fixed costs (zstd block headers, Huffman tables) can make them lose to
@@ -45,7 +46,7 @@ import zstandard
 
 from routereplay.codec import ctx_zstd
 from routereplay.codec.layer_major import bounded_zstd_decompress
-from routereplay.errors import SidecarError
+from routereplay.errors import ConfigError, SidecarError
 
 MODE_LAYER, MODE_TOKEN, MODE_PLAIN = 0, 1, 2
 LZ_REGIME = 1.03        # try the slow token-major parser when fast token-major <= 1.03 x mode 0
@@ -103,12 +104,25 @@ def encode(ids: np.ndarray, num_experts: int, check: str = "auto") -> bytes:
 
     Raises:
         ValueError: an id out of [0, num_experts), ids not uint8 (E <= 256) / uint16
-            (E > 256), or an unknown ``check``.
+            (E > 256).
+        ConfigError (a ValueError): an unknown ``check``.
     """
     if check not in ("auto", "always"):
-        raise ValueError(f"check must be 'auto' or 'always', got {check!r}")
-    best = bytes([MODE_LAYER]) + ctx_zstd.encode(ids, num_experts)   # checks dtype and range
+        raise ConfigError(f"check must be 'auto' or 'always', got {check!r}")
+    return _choose(ids, num_experts, check, ctx_zstd.encode(ids, num_experts))
+
+
+def _choose(ids: np.ndarray, num_experts: int, check: str, mode0: bytes) -> bytes:
+    """The smallest section of the modes tried, given mode 0's payload ``mode0``.
+
+    NOTE: a one-layer section's token-major order is its layer-major order: mode 1 would
+    hold mode 0's ids without its repeat bitmap, and was never smaller (mode 0 chosen for
+    every 512-token one-layer section of the cross-layer and independent sources of
+    benchmarks/codec.py), so it is not tried there; mode 2 (the bound) still is."""
+    best = bytes([MODE_LAYER]) + mode0
     comp = _compressors()
+    if ids.shape[1] == 1:
+        return _plain_check(ids, check, best, comp)
     tm = _token_major(ids, num_experts)
     fast = comp["fast"].compress(tm)
     if len(fast) + 1 < len(best):
@@ -117,12 +131,35 @@ def encode(ids: np.ndarray, num_experts: int, check: str = "auto") -> bytes:
         opt = comp["opt"].compress(tm)
         if len(opt) + 1 < len(best):
             best = bytes([MODE_TOKEN]) + opt
+    return _plain_check(ids, check, best, comp)
+
+
+def _plain_check(ids: np.ndarray, check: str, best: bytes, comp: dict) -> bytes:
+    """``best``, or mode 2 where it is tried (``check``) and smaller."""
     raw = _plain(ids)
     if check == "always" or len(raw) <= CHECK_BYTES:
         plain = comp["plain"].compress(raw)
         if len(plain) + 1 < len(best):
             best = bytes([MODE_PLAIN]) + plain
     return best
+
+
+def encode_grid(ids: np.ndarray, num_experts: int, token_block: int, layer_group: int,
+                check: str = "auto") -> list[bytes]:
+    """ids [T, L, top_k] -> the ``xl-zstd`` sections of a version-3 grid, group-major; each
+    exactly :func:`encode` of its slice (one-layer groups take their mode-0 payloads from
+    :func:`routereplay.codec.ctx_zstd.encode_grid`, one pass over the record)."""
+    if check not in ("auto", "always"):
+        raise ConfigError(f"check must be 'auto' or 'always', got {check!r}")
+    t, nl, _ = ids.shape
+    mode0 = ctx_zstd.encode_grid(ids, num_experts, token_block, layer_group)
+    out, i = [], 0
+    for l0 in range(0, nl, layer_group):
+        for r0 in range(0, max(t, 1), token_block):
+            part = ids[r0:r0 + token_block, l0:l0 + layer_group]
+            out.append(_choose(np.ascontiguousarray(part), num_experts, check, mode0[i]))
+            i += 1
+    return out
 
 
 def _content(data: bytes, nbytes: int, where: str) -> bytes:

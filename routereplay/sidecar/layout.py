@@ -3,8 +3,12 @@ layout", "Header", "Frame", "Index payload (kind 2) and trailer").
 
     stream  = header frame* [index_frame trailer]
     header  = magic(8) version(u16) flags(u16) json_len(u32) json crc32(json)(u32)
-    frame   = b"RRFM" kind(u8) 0(3) payload_len(u64) crc32(payload)(u32) crc32(hdr[0:20])(u32) payload
+    frame   = b"RRFM" kind(u8) 0(3) payload_len(u64) crc(u32) crc32(hdr[0:20])(u32) payload
     trailer = index_offset(u64) b"RRSCEND\\0"
+
+``crc`` is the CRC-32 of the whole payload, except in a version-3 record frame, where it
+covers the record's head only (its sections carry their own CRCs: a reader checks exactly
+the bytes it reads). The version-3 index is binary (varints), version 1-2's JSON.
 
 Every multi-byte integer is little-endian; CRC-32 is zlib's. This module only turns bytes
 into validated numbers and back; it reads no file (see routereplay.sidecar.reader).
@@ -17,12 +21,13 @@ import struct
 import zlib
 from typing import Any
 
-from routereplay.errors import SidecarError
+from routereplay.errors import ConfigError, SidecarError
 from routereplay.schema import RoutingSchema
 
 MAGIC = b"\x89RRSC\r\n\x1a"
-FORMAT_VERSION = 2
-READABLE_VERSIONS = (1, 2)                     # v1: dict sections, every meta key present
+FORMAT_VERSION = 3                             # what writers write by default
+READABLE_VERSIONS = (1, 2, 3)                  # v1: dict sections; v2: JSON meta; v3: grid
+WRITABLE_VERSIONS = (2, 3)                     # v2 for readers older than version 3
 COLUMN_ORDERS = ("engine", "sorted")
 FRAME_MAGIC = b"RRFM"
 TRAILER_MAGIC = b"RRSCEND\x00"
@@ -30,20 +35,65 @@ KIND_RECORD = 1
 KIND_INDEX = 2
 _HEADER_FIXED = struct.Struct("<8sHHI")        # magic, version, flags, json_len
 HEADER_FIXED_SIZE = _HEADER_FIXED.size         # 16 bytes
-_FRAME_HDR = struct.Struct("<4sB3xQI")         # magic, kind, payload_len, payload crc32
+_FRAME_HDR = struct.Struct("<4sB3xQI")         # magic, kind, payload_len, crc32
 FRAME_HEADER_SIZE = _FRAME_HDR.size + 4        # + crc32 of the 20 bytes above = 24
 _TRAILER = struct.Struct("<Q8s")
 TRAILER_SIZE = _TRAILER.size                   # 16 bytes
 # NOTE: reader limits (docs/FORMAT.md "Reader limits"); writers refuse what readers refuse.
-MAX_JSON_BYTES = 1 << 20                       # header / meta JSON bound (bytes)
+MAX_JSON_BYTES = 1 << 20                       # header JSON / record meta bound (bytes)
 MAX_FRAME_BYTES = 1 << 32                      # payload bound (bytes), 4 GiB
-DEFAULT_LAYER_GROUP = 4                        # MoE layers per routing section (partial-read unit)
 MAX_TOKENS = 1 << 24                           # routing rows, and start + rows, per record
+# Writer defaults of the version-3 section grid (docs/FORMAT.md "Choosing the geometry",
+# measured with benchmarks/scale.py on a DeepSeek-V3-shaped step).
+DEFAULT_TOKEN_BLOCK = 512                      # rows per routing section (B)
+DEFAULT_LAYER_GROUP = 1                        # MoE layers per routing section (G)
+DEFAULT_ONE_SECTION_BYTES = 64 << 10           # records with at most this many id bytes: one section
+DEFAULT_MIN_SECTION_BYTES = 1024               # coded bytes a routing section should reach
+V2_LAYER_GROUP = 4                             # the version-2 writer's default layer group
+MAX_CODECS = 256                               # entries of a version-3 header's codec table
 
 
 def crc32(b: bytes | memoryview) -> int:
     """CRC-32 (ISO-HDLC, zlib) of ``b`` as an unsigned 32-bit int."""
     return zlib.crc32(b) & 0xFFFFFFFF
+
+
+# --------------------------------------------------------------------------- varints
+
+
+def varint(n: int) -> bytes:
+    """``n`` (>= 0) as an unsigned LEB128 varint: 7 bits a byte, least significant first,
+    the high bit set on every byte but the last (docs/FORMAT.md "Conventions")."""
+    out = bytearray()
+    while n > 0x7F:
+        out.append((n & 0x7F) | 0x80)
+        n >>= 7
+    out.append(n)
+    return bytes(out)
+
+
+class VarintError(ValueError):
+    """A varint runs past its buffer or past 10 bytes (callers turn it into a SidecarError
+    naming the frame)."""
+
+
+def read_varint(buf: bytes | memoryview, pos: int) -> tuple[int, int]:
+    """(value, position after it) of the varint at ``buf[pos]``.
+
+    Raises:
+        VarintError: the buffer ends inside the varint, or it is longer than 10 bytes.
+    """
+    n = shift = 0
+    end = min(len(buf), pos + 10)
+    while pos < end:
+        b = buf[pos]
+        pos += 1
+        n |= (b & 0x7F) << shift
+        if b < 0x80:
+            return n, pos
+        shift += 7
+    raise VarintError("varint runs past its data" if pos >= len(buf)
+                      else "varint longer than 10 bytes")
 
 
 # --------------------------------------------------------------------------- header
@@ -54,11 +104,14 @@ class Header:
     """What a stream header says (FORMAT.md "Header").
 
     Attributes:
-        version: format version (1 or 2).
+        version: format version (1, 2 or 3).
         schema: the routing schema of every record.
         codec: the writer's default routing codec (each section names its own).
         column_order: "engine" or "sorted".
         layer_group: MoE layers per routing section the writer used (informational).
+        token_block: version 3: rows per routing section the writer used (informational;
+            each record states its own geometry), else None.
+        codecs: version 3: the codec table a section's codec byte indexes, else ().
         meta: the whole header JSON object.
         size: header bytes (16 + J + 4): the offset of the first frame.
     """
@@ -70,17 +123,52 @@ class Header:
     layer_group: Any
     meta: dict[str, Any]
     size: int
+    token_block: Any = None
+    codecs: tuple[str, ...] = ()
 
 
-def encode_header(schema: RoutingSchema, codec: str = "ctx-zstd", extra: dict[str, Any] | None = None,
-                  layer_group: int = DEFAULT_LAYER_GROUP, column_order: str = "engine") -> bytes:
-    """Stream header bytes for ``schema`` (FORMAT.md "Header")."""
-    meta = {"schema": schema.to_dict(), "codec": codec, "column_order": column_order,
-            "layer_group": layer_group}
+def encode_header(schema: RoutingSchema, codec: str | None = None,
+                  extra: dict[str, Any] | None = None,
+                  layer_group: int | None = None, column_order: str = "engine", *,
+                  version: int = FORMAT_VERSION, token_block: int = DEFAULT_TOKEN_BLOCK,
+                  one_section_bytes: int = DEFAULT_ONE_SECTION_BYTES,
+                  codecs: tuple[str, ...] | None = None,
+                  min_section_bytes: int = DEFAULT_MIN_SECTION_BYTES) -> bytes:
+    """Stream header bytes for ``schema`` (FORMAT.md "Header").
+
+    Args:
+        codec: the writer's default routing codec (default: ``routereplay.codec``'s
+            ``DEFAULT_CODEC``, ``V2_DEFAULT_CODEC`` for version 2, matching
+            :func:`routereplay.sidecar.payload.encode_record_payload`).
+        layer_group: MoE layers per routing section (default: the version's default).
+        version: 3 (default) or 2 (for readers older than version 3).
+        token_block, one_section_bytes: version 3: the writer's section grid (informational).
+        codecs: version 3: the codec table (default: :func:`codec_table` of ``codec``).
+    """
+    if version not in WRITABLE_VERSIONS:
+        raise ConfigError(f"format version {version} is not one a writer writes {WRITABLE_VERSIONS}")
+    if codec is None:
+        from routereplay import codec as _codec
+        codec = _codec.DEFAULT_CODEC if version >= 3 else _codec.V2_DEFAULT_CODEC
+    if layer_group is None:
+        layer_group = DEFAULT_LAYER_GROUP if version >= 3 else V2_LAYER_GROUP
+    meta: dict[str, Any] = {"schema": schema.to_dict(), "codec": codec,
+                            "column_order": column_order, "layer_group": layer_group}
+    if version >= 3:
+        meta.update(token_block=token_block, one_section_bytes=one_section_bytes,
+                    min_section_bytes=min_section_bytes,
+                    codecs=list(codecs if codecs is not None else codec_table(codec)))
     if extra:
         meta["extra"] = extra
     js = json.dumps(meta, sort_keys=True, separators=(",", ":")).encode()
-    return _HEADER_FIXED.pack(MAGIC, FORMAT_VERSION, 0, len(js)) + js + struct.pack("<I", crc32(js))
+    return _HEADER_FIXED.pack(MAGIC, version, 0, len(js)) + js + struct.pack("<I", crc32(js))
+
+
+def codec_table(codec: str) -> tuple[str, ...]:
+    """The version-3 codec table a writer whose routing codec is ``codec`` declares: that
+    codec, the fallbacks it may store a section with (``ctx-zstd``, ``raw-lm``), and the
+    array codecs ``zstd`` and ``raw``. A section's codec byte is an index into it."""
+    return tuple(dict.fromkeys((codec, "ctx-zstd", "raw-lm", "zstd", "raw")))
 
 
 def header_json_length(fixed: bytes, stream_size: int) -> tuple[int, int]:
@@ -118,11 +206,17 @@ def decode_header(version: int, js: bytes, crc: bytes) -> Header:
         column_order = meta.get("column_order", "engine")
         if column_order not in COLUMN_ORDERS:
             raise ValueError(f"column_order {column_order!r}")
+        codecs: tuple[str, ...] = ()
+        if version >= 3:
+            codecs = tuple(meta["codecs"])
+            if not (1 <= len(codecs) <= MAX_CODECS and all(isinstance(c, str) for c in codecs)):
+                raise ValueError("'codecs' must be a list of 1 to 256 codec names")
     except (ValueError, KeyError, TypeError, RecursionError) as e:
         raise SidecarError(f"invalid sidecar header: {e!r}"[:500], offset=0) from None
     return Header(version=version, schema=schema, codec=codec, column_order=column_order,
                   layer_group=meta.get("layer_group"), meta=meta,
-                  size=HEADER_FIXED_SIZE + len(js) + 4)
+                  size=HEADER_FIXED_SIZE + len(js) + 4, token_block=meta.get("token_block"),
+                  codecs=codecs)
 
 
 # --------------------------------------------------------------------------- frames
@@ -136,7 +230,7 @@ class FrameHeader:
         offset: byte offset of the frame in the stream.
         kind: 1 = record, 2 = index (others are skipped by readers).
         payload_len: P, payload bytes.
-        payload_crc: CRC-32 of the payload.
+        payload_crc: CRC-32 of the payload (of the head, in a version-3 record frame).
     """
 
     offset: int
@@ -150,9 +244,17 @@ class FrameHeader:
         return self.offset + FRAME_HEADER_SIZE + self.payload_len
 
 
-def encode_frame(kind: int, payload: bytes) -> bytes:
-    """One frame: 24-byte frame header + payload (FORMAT.md "Frame")."""
-    hdr = _FRAME_HDR.pack(FRAME_MAGIC, kind, len(payload), crc32(payload))
+def encode_frame(kind: int, payload: bytes, head_len: int | None = None) -> bytes:
+    """One frame: 24-byte frame header + payload (FORMAT.md "Frame").
+
+    The header's CRC field covers ``payload[:head_len]``: the head of a version-3 record
+    (``head_len`` defaults to the ``head_len`` attribute of a
+    :class:`routereplay.sidecar.payload.RecordPayload`), else the whole payload.
+    """
+    if head_len is None:
+        head_len = getattr(payload, "head_len", None)
+    covered = payload if head_len is None else memoryview(payload)[:head_len]
+    hdr = _FRAME_HDR.pack(FRAME_MAGIC, kind, len(payload), crc32(covered))
     return hdr + struct.pack("<I", crc32(hdr)) + payload
 
 
@@ -189,14 +291,29 @@ def _torn(msg: str, offset: int) -> SidecarError:
 # --------------------------------------------------------------------------- index, trailer
 
 
-def encode_index(entries: list[tuple[str, int]]) -> bytes:
-    """Index payload: ``{"records": [[sample_id, frame_offset], ...]}``."""
-    return json.dumps({"records": [[s, o] for s, o in entries]}, separators=(",", ":")).encode()
+def encode_index(entries: list[tuple[str, int]], version: int = FORMAT_VERSION) -> bytes:
+    """Index payload. Version 3: ``varint count``, then per record ``varint len, sample id
+    (UTF-8), varint delta`` with the frame offset = previous offset (0 for the first) +
+    delta. Versions 1-2: ``{"records": [[sample_id, frame_offset], ...]}``."""
+    if version < 3:
+        return json.dumps({"records": [[s, o] for s, o in entries]},
+                          separators=(",", ":")).encode()
+    out = [varint(len(entries))]
+    prev = 0
+    for sid, off in entries:
+        b = sid.encode("utf-8", "surrogatepass")
+        out += [varint(len(b)), b, varint(off - prev)]
+        prev = off
+    return b"".join(out)
 
 
-def decode_index(payload: bytes, data_start: int, index_offset: int) -> list[tuple[str, int]] | None:
+def decode_index(payload: bytes, data_start: int, index_offset: int,
+                 version: int = 2) -> list[tuple[str, int]] | None:
     """Entries of an index payload, or None when it is not a valid index (then readers
-    scan instead). Every offset must lie in the frame area ``[data_start, index_offset)``."""
+    scan instead). Every offset must lie in the frame area ``[data_start, index_offset)``
+    (version 3 offsets, delta-coded, never decrease)."""
+    if version >= 3:
+        return _decode_index_v3(memoryview(payload), data_start, index_offset)
     try:
         entries = json.loads(payload)["records"]
         out = []
@@ -207,6 +324,29 @@ def decode_index(payload: bytes, data_start: int, index_offset: int) -> list[tup
             out.append((sid, o))
         return out
     except (ValueError, KeyError, TypeError, RecursionError):
+        return None
+
+
+def _decode_index_v3(buf: memoryview, data_start: int, index_offset: int
+                     ) -> list[tuple[str, int]] | None:
+    try:
+        n, pos = read_varint(buf, 0)
+        # NOTE: every entry takes at least 2 bytes: a forged count costs nothing
+        if n > len(buf) // 2:
+            return None
+        out, off = [], 0
+        for _ in range(n):
+            ln, pos = read_varint(buf, pos)
+            if pos + ln > len(buf):
+                return None
+            sid = bytes(buf[pos:pos + ln]).decode("utf-8", "surrogatepass")
+            delta, pos = read_varint(buf, pos + ln)
+            off += delta
+            if not data_start <= off < index_offset:
+                return None
+            out.append((sid, off))
+        return out if pos == len(buf) else None
+    except (VarintError, UnicodeDecodeError):
         return None
 
 

@@ -1,17 +1,25 @@
-"""Record payloads (docs/FORMAT.md "Record payload (kind 1)"): meta JSON + section bytes.
+"""Record payloads (docs/FORMAT.md "Record payload (kind 1)"): version 3, and what every
+version shares (limits, the validated :class:`RecordMeta`, array sections).
 
-    payload = meta_len(u32) meta_json body
-    body    = section bytes back to back, in the order of meta["sections"]
+A version-3 payload is laid out for ranged reads:
 
-Version 2 meta leaves defaults out and lists sections as compact arrays
-``[name, codec, length, a, b]``; version 1 meta (read only) is handled by
-routereplay.sidecar.payload_v1 and becomes the same :class:`RecordMeta`.
+    payload = head table body
+    head    = varint M, meta (M bytes, binary)        -- the frame header's CRC covers it
+    table   = (S - 1) x u32: end offset of sections 0 .. S-2 in the body
+    body    = section_0 .. section_{S-1}
+    section = crc32(u32 index, codec byte, data) (u32), codec byte (u8), data
+
+Routing sections form a grid of token blocks x MoE-layer groups (:class:`Grid`), section
+``g * n_blocks + b``; the arrays (token ids, log-probs) follow. A reader that needs some
+layers and some token runs reads the head, the table entries around its sections and its
+sections, and checks exactly what it read. Versions 1-2 (JSON meta, one CRC per payload)
+are read by routereplay.sidecar.payload_v2.
 """
 from __future__ import annotations
 
 import dataclasses
-import json
 import struct
+import zlib
 from typing import Any
 
 import numpy as np
@@ -21,9 +29,14 @@ from routereplay import codec as _codec
 from routereplay.errors import RecordError, SidecarError
 from routereplay.record import RoutingRecord, WeightVersionSpan
 from routereplay.schema import RoutingSchema
-from routereplay.sidecar.layout import DEFAULT_LAYER_GROUP, MAX_JSON_BYTES, MAX_TOKENS
+from routereplay.sidecar.layout import (DEFAULT_LAYER_GROUP, DEFAULT_MIN_SECTION_BYTES,
+                                        DEFAULT_ONE_SECTION_BYTES,
+                                        DEFAULT_TOKEN_BLOCK, FORMAT_VERSION, MAX_JSON_BYTES,
+                                        MAX_TOKENS, V2_LAYER_GROUP, VarintError, codec_table,
+                                        read_varint, varint)
 
 ARRAY_SECTIONS = {"token_ids": np.dtype("<i4"), "logprobs": np.dtype("<f4")}
+ARRAY_CODECS = ("zstd", "raw")
 
 # NOTE: reader limit (docs/FORMAT.md "Reader limits"): a section of a known codec may
 # decode to at most EXPANSION[codec] x its stored bytes + EXPANSION_SLACK bytes, so that
@@ -33,10 +46,27 @@ ARRAY_SECTIONS = {"token_ids": np.dtype("<i4"), "logprobs": np.dtype("<f4")}
 # section that would exceed the limit with the next codec that fits (FALLBACK), so it
 # never writes what readers refuse. ctx-ans gets the lowest factor: it decodes at 5-90 MB/s
 # of ids, ctx-zstd at 60-2000 MB/s.
-EXPANSION = {"ctx-ans": 16, "ctx-ans-sorted": 16, "ctx-zstd": 64, "zstd-lm": 64, "raw-lm": 1,
-             "zstd": 64, "raw": 1}
+EXPANSION = {"ctx-ans": 16, "ctx-ans-sorted": 16, "ctx-zstd": 64, "xl-zstd": 64, "zstd-lm": 64,
+             "raw-lm": 1, "zstd": 64, "raw": 1}
 EXPANSION_SLACK = 64 << 10             # bytes a section may always decode to
+# NOTE: version 3 adds a record-level limit: a grid record has many sections, and a slack
+# per section would let a forged record of many 9-byte sections claim 64 KiB each. The
+# whole record (ids, token ids, log-probs) decodes to at most RECORD_EXPANSION x its
+# payload + (L_moe + 2) x EXPANSION_SLACK: what a version-2 record of L_moe + 2 sections
+# could, so largest_record_bytes() holds for every version.
+RECORD_EXPANSION = max(EXPANSION.values())
 FALLBACK = ("ctx-zstd", "raw-lm")      # routing codecs a writer falls back to, in order
+SECTION_OVERHEAD = 5                   # bytes of a version-3 section before its data
+
+# version-3 meta flags (docs/FORMAT.md "Version 3 meta")
+F_GRID, F_START, F_PROMPT_LEN, F_TOKEN_IDS, F_LOGPROBS = 1, 2, 4, 8, 16
+F_WEIGHT_VERSIONS, F_ENGINE, F_RECOMPUTED, F_PREFIX_CACHED = 32, 64, 128, 256
+_KNOWN_FLAGS = 511
+# NOTE: strings (sample ids, versions, engine) are UTF-8, lone surrogates included as their
+# 3-byte forms (Python's "surrogatepass"): a str that version 2's JSON meta could carry
+# (as a \ud800 escape) stays writable.
+UTF8 = ("utf-8", "surrogatepass")
+_U32 = struct.Struct("<I")
 
 
 def largest_record_bytes(schema: RoutingSchema, stream_bytes: int) -> int:
@@ -47,7 +77,8 @@ def largest_record_bytes(schema: RoutingSchema, stream_bytes: int) -> int:
     min(format limit, expansion limit): the format allows ``MAX_TOKENS`` rows of
     ``L_moe x top_k`` ids plus ``MAX_TOKENS + 1`` token ids and log-probs; the expansion
     limit allows ``max(EXPANSION) x`` the stored bytes plus ``EXPANSION_SLACK`` for each of
-    the at most ``L_moe + 2`` sections.
+    ``L_moe + 2`` sections (version 1-2: at most that many sections; version 3: the
+    record-level limit).
     """
     fmt = MAX_TOKENS * schema.num_moe_layers * schema.top_k * schema.id_dtype.itemsize \
         + 8 * (MAX_TOKENS + 1)
@@ -62,14 +93,17 @@ def section_fits(codec: str, decoded: int, stored: int) -> bool:
     r = EXPANSION.get(codec)
     return r is None or decoded <= r * stored + EXPANSION_SLACK
 
-# Meta keys a version-2 writer leaves out when they hold their default.
-META_DEFAULTS: dict[str, Any] = {"start": 0, "prompt_len": None, "weight_versions": [],
-                                 "recomputed": [], "prefix_cached": [], "engine": ""}
+
+def record_fits(schema: RoutingSchema, decoded: int, payload_len: int) -> bool:
+    """Whether a version-3 record of ``payload_len`` bytes that decodes to ``decoded``
+    bytes is within the reader's record-level expansion limit (:data:`RECORD_EXPANSION`)."""
+    return decoded <= RECORD_EXPANSION * payload_len \
+        + (schema.num_moe_layers + 2) * EXPANSION_SLACK
 
 
 @dataclasses.dataclass(frozen=True)
 class Section:
-    """One section of a record body.
+    """One section of a version-1/2 record body.
 
     Attributes:
         name: "routing", "token_ids", "logprobs" (others are skipped by readers).
@@ -89,8 +123,81 @@ class Section:
 
 
 @dataclasses.dataclass(frozen=True)
+class Grid:
+    """Where a version-3 record's sections lie (docs/FORMAT.md "Sections").
+
+    Routing section ``i = g * n_blocks + b`` holds rows ``[b*B, min(T, (b+1)*B))`` of MoE
+    layers ``[g*G, min(L_moe, (g+1)*G))``; the arrays follow in ``arrays`` order. A record
+    written as one section has ``B = max(T, 1)`` and ``G = L_moe``.
+
+    Attributes:
+        num_tokens: T, routing rows.
+        num_layers: L_moe.
+        token_block: B, rows per routing section (>= 1).
+        layer_group: G, MoE layers per routing section (1 .. L_moe).
+        arrays: (name, count) of the array sections, in body order.
+        head_len: H, bytes of the head (varint M + meta): where the table starts.
+    """
+
+    num_tokens: int
+    num_layers: int
+    token_block: int
+    layer_group: int
+    arrays: tuple[tuple[str, int], ...]
+    head_len: int
+
+    @property
+    def n_blocks(self) -> int:
+        return max(1, -(-self.num_tokens // self.token_block))
+
+    @property
+    def n_groups(self) -> int:
+        return -(-self.num_layers // self.layer_group)
+
+    @property
+    def n_routing(self) -> int:
+        return self.n_blocks * self.n_groups
+
+    @property
+    def n_sections(self) -> int:
+        return self.n_routing + len(self.arrays)
+
+    @property
+    def table_len(self) -> int:
+        """Bytes of the section table (S - 1 u32 end offsets)."""
+        return 4 * (self.n_sections - 1)
+
+    def rows(self, b: int) -> tuple[int, int]:
+        """Rows [r0, r1) of token block ``b``."""
+        return b * self.token_block, min(self.num_tokens, (b + 1) * self.token_block)
+
+    def layers(self, g: int) -> tuple[int, int]:
+        """MoE-axis positions [l0, l1) of layer group ``g``."""
+        return g * self.layer_group, min(self.num_layers, (g + 1) * self.layer_group)
+
+    def array_index(self, name: str) -> int | None:
+        """Section index of the array ``name``, or None when the record has none."""
+        for j, (n, _) in enumerate(self.arrays):
+            if n == name:
+                return self.n_routing + j
+        return None
+
+    def describe(self, i: int) -> str:
+        """Section ``i`` in words, for error messages."""
+        if i >= self.n_routing:
+            return f"section {i} ({self.arrays[i - self.n_routing][0]})"
+        g, b = divmod(i, self.n_blocks)
+        (l0, l1), (r0, r1) = self.layers(g), self.rows(b)
+        return f"section {i} (MoE layers [{l0}, {l1}), rows [{r0}, {r1}))"
+
+
+@dataclasses.dataclass(frozen=True)
 class RecordMeta:
-    """Validated record metadata (everything but the arrays), as read from a frame."""
+    """Validated record metadata (everything but the arrays), as read from a frame.
+
+    ``sections``: the section list of a version-1/2 record; ``grid``: where the sections
+    of a version-3 record lie (None for versions 1-2).
+    """
 
     sample_id: str
     num_tokens: int
@@ -101,150 +208,25 @@ class RecordMeta:
     prefix_cached: tuple[tuple[int, int], ...] = ()
     engine: str = ""
     sections: tuple[Section, ...] = ()
+    grid: Grid | None = None
 
     def versions(self) -> list[str]:
         """Distinct weight versions, in order of first appearance."""
         return list(dict.fromkeys(s.version for s in self.weight_versions))
 
 
-# --------------------------------------------------------------------------- encoding
-
-
-def encode_record_payload(record: RoutingRecord, schema: RoutingSchema,
-                          codec: str = _codec.DEFAULT_CODEC,
-                          layer_group: int = DEFAULT_LAYER_GROUP,
-                          column_order: str = "engine") -> bytes:
-    """Record frame payload: u32 meta_len, meta JSON, then the section blobs (FORMAT.md).
-
-    Meta keys equal to their default are left out; sections are ``[name, codec, length,
-    a, b]`` arrays laid back to back in list order. ``column_order="sorted"`` stores each
-    row in ascending expert order. The record must be valid (``RoutingRecord.validate``).
-    A section that would expand beyond the reader's limit (:func:`section_fits`) is stored
-    with the next codec of :data:`FALLBACK` that fits (``raw-lm`` always does).
-
-    Raises:
-        RecordError: the meta JSON exceeds the reader's limit (``MAX_JSON_BYTES``).
-    """
-    sections: list[list[Any]] = []
-    blobs: list[bytes] = []
-    ids = np.sort(record.expert_ids, axis=-1) if column_order == "sorted" else record.expert_ids
-    for l0 in range(0, schema.num_moe_layers, layer_group):
-        l1 = min(l0 + layer_group, schema.num_moe_layers)
-        part = ids[:, l0:l1]
-        for c in (codec,) + tuple(f for f in FALLBACK if f != codec):
-            blob = _codec.encode(part, c, schema.num_experts)
-            if section_fits(c, part.nbytes, len(blob)):
-                break
-        blobs.append(blob)
-        sections.append(["routing", c, len(blobs[-1]), l0, l1])
-    if record.token_ids is not None:
-        tok = np.ascontiguousarray(record.token_ids, dtype="<i4").tobytes()
-        blob, c = zstandard.ZstdCompressor(level=3).compress(tok), "zstd"
-        if not section_fits(c, len(tok), len(blob)):
-            blob, c = tok, "raw"
-        blobs.append(blob)
-        sections.append(["token_ids", c, len(blobs[-1]), len(tok) // 4])
-    if record.logprobs is not None:
-        lp = np.ascontiguousarray(record.logprobs, dtype="<f4")
-        blobs.append(lp.tobytes())
-        sections.append(["logprobs", "raw", len(blobs[-1]), int(lp.shape[0])])
-    meta = {k: v for k, v in record.meta().items() if META_DEFAULTS.get(k, ...) != v}
-    meta["sections"] = sections
-    js = json.dumps(meta, sort_keys=True, separators=(",", ":")).encode()
-    if len(js) > MAX_JSON_BYTES:
-        raise RecordError(f"sample {str(record.sample_id)[:80]!r}: record meta of {len(js)} bytes "
-                          f"exceeds the reader's limit of {MAX_JSON_BYTES} bytes")
-    return struct.pack("<I", len(js)) + js + b"".join(blobs)
-
-
-# --------------------------------------------------------------------------- decoding
-
-
-def decode_record_payload(payload: bytes | memoryview, schema: RoutingSchema, version: int,
-                          offset: int | None = None) -> tuple[RecordMeta, memoryview]:
-    """Split a record payload into validated meta and the body.
-
-    Args:
-        payload: the frame's payload (its CRC already checked).
-        version: the stream's format version (1 or 2).
-        offset: the frame's offset, for error messages.
-    Raises:
-        SidecarError: naming the offset (and the sample id when the meta names one).
-    """
-    payload = memoryview(payload)
-    if len(payload) < 4:
-        raise SidecarError("record payload shorter than its meta length", offset=offset)
-    (mlen,) = struct.unpack("<I", payload[:4])
-    if mlen > min(len(payload) - 4, MAX_JSON_BYTES):
-        raise SidecarError(f"meta length {mlen} exceeds the payload ({len(payload)} bytes) or "
-                           f"the reader's limit of {MAX_JSON_BYTES} bytes", offset=offset)
-    try:
-        raw = json.loads(bytes(payload[4:4 + mlen]))
-    except (ValueError, RecursionError) as e:
-        raise SidecarError(f"record meta is not JSON: {e!r}"[:300], offset=offset) from None
-    body = payload[4 + mlen:]
-    if not isinstance(raw, dict):
-        raise SidecarError("invalid record meta: not an object", offset=offset)
-    sid = raw.get("sample_id")
-    sid = sid if isinstance(sid, str) else None
-    try:
-        if version == 1:
-            from routereplay.sidecar.payload_v1 import sections_v1
-            raw = {**raw, "sections": sections_v1(raw.get("sections"), raw.get("num_tokens"),
-                                                  schema)}
-        else:
-            raw = {**META_DEFAULTS, **raw,
-                   "sections": _sections_v2(raw.get("sections"), raw.get("num_tokens"), schema)}
-        meta = _validate(raw, schema, len(body))
-    except MetaError as e:
-        raise SidecarError("invalid record meta" + (f" for sample {sid!r}" if sid else "")
-                           + f": {e}", offset=offset, sample_id=sid) from None
-    return meta, body
-
-
 class MetaError(Exception):
-    """Why a record meta is invalid (decode_record_payload wraps it into a SidecarError
-    naming the frame offset)."""
+    """Why a record meta is invalid (the decoders wrap it into a SidecarError naming the
+    frame offset)."""
 
 
 def is_int(x: Any) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
 
 
-def _sections_v2(secs: Any, num_tokens: Any, schema: RoutingSchema) -> list[Section]:
-    """``[name, codec, length, a, b]`` arrays -> sections with body offsets."""
-    if not isinstance(secs, list):
-        raise MetaError("field 'sections' missing or not list")
-    out, pos = [], 0
-    for sec in secs:
-        if not (isinstance(sec, list) and 4 <= len(sec) <= 5 and isinstance(sec[0], str)
-                and isinstance(sec[1], str) and all(is_int(x) and x >= 0 for x in sec[2:])):
-            raise MetaError(f"bad section {str(sec)[:80]}")
-        name, codec, length = sec[0], sec[1], sec[2]
-        if name == "routing" and len(sec) == 5:
-            layers = (sec[3], sec[4])
-            shape = (num_tokens if is_int(num_tokens) else -1, sec[4] - sec[3], schema.top_k)
-        else:
-            layers, shape = None, tuple(sec[3:])
-        out.append(Section(name, codec, pos, length, shape, layers))
-        pos += length
-    return out
-
-
-def _validate(meta: dict[str, Any], schema: RoutingSchema, body_len: int) -> RecordMeta:
-    types = {"sample_id": str, "num_tokens": int, "start": int, "weight_versions": list,
-             "recomputed": list, "prefix_cached": list, "engine": str}
-    for k, ty in types.items():
-        if not isinstance(meta.get(k), ty) or isinstance(meta.get(k), bool):
-            raise MetaError(f"field {k!r} missing or not {ty.__name__}")
-    t = meta["num_tokens"]
-    if t < 0 or meta["start"] < 0:
-        raise MetaError("negative num_tokens or start")
-    if t > MAX_TOKENS:
-        raise MetaError(f"num_tokens {t} above the format's limit {MAX_TOKENS}")
-    pl = meta.get("prompt_len")
-    if pl is not None and (not is_int(pl) or pl < 0):
-        raise MetaError("prompt_len not a non-negative integer")
+def parse_spans(meta: dict[str, Any]) -> tuple[list[WeightVersionSpan],
+                                               dict[str, tuple[tuple[int, int], ...]]]:
+    """Version-1/2 JSON span lists -> weight-version spans and the flag spans."""
     spans = []
     for span in meta["weight_versions"]:
         if not (isinstance(span, list) and len(span) == 3 and isinstance(span[0], str)
@@ -258,49 +240,11 @@ def _validate(meta: dict[str, Any], schema: RoutingSchema, body_len: int) -> Rec
                     and all(is_int(x) for x in span) and 0 <= span[0] <= span[1]):
                 raise MetaError(f"bad {key} span {span!r}")
         flags[key] = tuple((a, b) for a, b in meta[key])
-    covered: list[int] = []
-    arrays: dict[str, int] = {}
-    too_big = ""
-    for sec in meta["sections"]:
-        if not (0 <= sec.offset and 0 <= sec.length and sec.offset + sec.length <= body_len):
-            raise MetaError(f"section {sec.name!r} lies outside the payload")
-        if not all(is_int(x) and x >= 0 for x in sec.shape):
-            raise MetaError(f"section {sec.name!r} has a bad shape")
-        itemsize = (schema.id_dtype.itemsize if sec.name == "routing"
-                    else ARRAY_SECTIONS[sec.name].itemsize if sec.name in ARRAY_SECTIONS else 0)
-        decoded = itemsize * int(np.prod(sec.shape, dtype=np.float64))
-        if itemsize and not section_fits(sec.codec, decoded, sec.length) and not too_big:
-            too_big = (f"section {sec.name!r} ({sec.codec}) declares {decoded} bytes from "
-                       f"{sec.length} stored bytes: beyond the reader's limit of "
-                       f"{EXPANSION[sec.codec]} x + {EXPANSION_SLACK} bytes")
-        if sec.name == "routing":
-            ly = sec.moe_layers
-            if ly is None or not (0 <= ly[0] < ly[1] <= schema.num_moe_layers):
-                raise MetaError(f"routing section has bad layers {None if ly is None else list(ly)}")
-            if sec.shape != (t, ly[1] - ly[0], schema.top_k):
-                raise MetaError(f"routing section shape {list(sec.shape)} does not match "
-                               "num_tokens/top_k")
-            covered.extend(range(ly[0], ly[1]))
-        elif sec.name in ARRAY_SECTIONS:
-            if len(sec.shape) != 1 or sec.codec not in ("zstd", "raw"):
-                raise MetaError(f"section {sec.name!r} has a bad shape or codec")
-            if sec.name in arrays:
-                raise MetaError(f"section {sec.name!r} appears twice")
-            arrays[sec.name] = sec.shape[0]
-    if sorted(covered) != list(range(schema.num_moe_layers)):
-        raise MetaError(f"routing sections cover MoE layers {sorted(covered)}, "
-                       f"expected 0..{schema.num_moe_layers - 1} once each")
-    _check_counts(t, meta["start"], pl, arrays.get("token_ids"), arrays.get("logprobs"))
-    if too_big:
-        raise MetaError(too_big)
-    return RecordMeta(sample_id=meta["sample_id"], num_tokens=t, start=meta["start"],
-                      prompt_len=pl, weight_versions=tuple(spans),
-                      recomputed=flags["recomputed"], prefix_cached=flags["prefix_cached"],
-                      engine=meta["engine"], sections=tuple(meta["sections"]))
+    return spans, flags
 
 
-def _check_counts(t: int, start: int, prompt_len: int | None, n: int | None,
-                  g: int | None) -> None:
+def check_counts(t: int, start: int, prompt_len: int | None, n: int | None,
+                 g: int | None) -> None:
     """The writer's rules (RoutingRecord.validate and SidecarWriter.write) on counts:
     positions ``start + T <= MAX_TOKENS``; with token ids, N = start + T + 1, prompt_len in
     [1, N] and G = N - prompt_len log-probs; without, prompt_len and G at most start + T + 1.
@@ -326,27 +270,426 @@ def _check_counts(t: int, start: int, prompt_len: int | None, n: int | None,
                         "tokens the rows imply")
 
 
-def decode_array(blob: bytes | memoryview, sec: Section) -> np.ndarray:
+# --------------------------------------------------------------------------- encoding
+
+
+class RecordPayload(bytes):
+    """A record payload; ``head_len`` is the number of leading bytes the frame header's
+    CRC covers (version 3: the head), None for version 1-2 (the whole payload)."""
+
+    head_len: int | None = None
+
+
+def encode_record_payload(record: RoutingRecord, schema: RoutingSchema,
+                          codec: str | None = None,
+                          layer_group: int | None = None,
+                          column_order: str = "engine", *, version: int = FORMAT_VERSION,
+                          token_block: int = DEFAULT_TOKEN_BLOCK,
+                          one_section_bytes: int = DEFAULT_ONE_SECTION_BYTES,
+                          min_section_bytes: int = DEFAULT_MIN_SECTION_BYTES,
+                          codecs: tuple[str, ...] | None = None) -> RecordPayload:
+    """Record frame payload (docs/FORMAT.md "Record payload"); frame it with
+    ``encode_frame(KIND_RECORD, payload)`` (which takes ``payload.head_len``).
+
+    ``codec`` None: ``xl-zstd`` (version 2: ``ctx-zstd``), as :class:`SidecarWriter`.
+    Version 3 (default): a record whose ids take at most ``one_section_bytes`` bytes
+    (``T x L_moe x top_k x itemsize``) is one routing section; a larger one is a grid of
+    ``token_block`` rows x ``layer_group`` MoE layers; where its routing sections code to
+    less than ``min_section_bytes`` on average (repetitive routing), the token block is
+    multiplied by the smallest power of two that brings the mean to it (at most T rows).
+    Token ids (one zstd section) and
+    log-probs (one raw section) follow. ``codecs`` is the stream header's codec table
+    (default: :func:`routereplay.sidecar.layout.codec_table` of ``codec``). A section that
+    would expand beyond the reader's limit (:func:`section_fits`) is stored with the next
+    codec of :data:`FALLBACK` that fits; a record beyond the record-level limit has its
+    most expanding sections stored as ``raw-lm`` until it fits.
+    Version 2: routereplay.sidecar.payload_v2 (``layer_group`` default 4).
+    ``column_order="sorted"`` stores each row in ascending expert order. The record must
+    be valid (``RoutingRecord.validate``).
+
+    Raises:
+        RecordError: the meta exceeds the reader's limit (``MAX_JSON_BYTES``), or the body
+            4 GiB.
+    """
+    if codec is None:
+        codec = _codec.DEFAULT_CODEC if version >= 3 else _codec.V2_DEFAULT_CODEC
+    if version < 3:
+        from routereplay.sidecar.payload_v2 import encode_payload_v2
+        return RecordPayload(encode_payload_v2(record, schema, codec,
+                                               layer_group or V2_LAYER_GROUP, column_order))
+    codecs = tuple(codecs) if codecs is not None else codec_table(codec)
+    cid = {c: i for i, c in enumerate(codecs)}
+    ids = np.sort(record.expert_ids, axis=-1) if column_order == "sorted" else record.expert_ids
+    t, nl = ids.shape[0], schema.num_moe_layers
+    grid, b_rows, g_layers, blobs = grid_sections(ids, codec, schema.num_experts, token_block,
+                                                  layer_group or DEFAULT_LAYER_GROUP,
+                                                  one_section_bytes, min_section_bytes)
+    nb, ng = max(1, -(-t // b_rows)), -(-nl // g_layers)
+    secs: list[tuple[str, bytes, int]] = []          # (codec, data, decoded bytes)
+    for i, blob in enumerate(blobs):
+        g, b = divmod(i, nb)
+        part = ids[b * b_rows:(b + 1) * b_rows, g * g_layers:(g + 1) * g_layers]
+        secs.append((codec, blob, part.nbytes) if section_fits(codec, part.nbytes, len(blob))
+                    else _encode_routing(part, codec, schema.num_experts))
+    arrays: list[tuple[str, int]] = []
+    if record.token_ids is not None:
+        tok = np.ascontiguousarray(record.token_ids, dtype="<i4").tobytes()
+        blob, c = zstandard.ZstdCompressor(level=3).compress(tok), "zstd"
+        if not section_fits(c, len(tok), len(blob)):
+            blob, c = tok, "raw"
+        secs.append((c, blob, len(tok)))
+        arrays.append(("token_ids", len(tok) // 4))
+    if record.logprobs is not None:
+        lp = np.ascontiguousarray(record.logprobs, dtype="<f4").tobytes()
+        secs.append(("raw", lp, len(lp)))
+        arrays.append(("logprobs", len(lp) // 4))
+    wv = [(str(x.version), int(x.start), int(x.end)) for x in record.weight_versions]
+    meta = encode_meta(record.sample_id, t, b_rows if grid else None, g_layers if grid else None,
+                       start=int(record.start), prompt_len=record.prompt_len,
+                       arrays=dict(arrays), weight_versions=wv, engine=record.engine,
+                       recomputed=record.recomputed, prefix_cached=record.prefix_cached)
+    if len(meta) > MAX_JSON_BYTES:
+        raise RecordError(f"sample {str(record.sample_id)[:80]!r}: record meta of {len(meta)} "
+                          f"bytes exceeds the reader's limit of {MAX_JSON_BYTES} bytes")
+    _fit_record(secs, ng * nb, schema, ids, b_rows, g_layers, nb,
+                len(varint(len(meta))) + len(meta) + 4 * (len(secs) - 1))
+    body = sum(SECTION_OVERHEAD + len(d) for _, d, _ in secs)
+    if body >= 1 << 32:
+        raise RecordError(f"sample {str(record.sample_id)[:80]!r}: record body of {body} "
+                          "bytes exceeds the format's 4 GiB")
+    return assemble(meta, [(cid[c], d) for c, d, _ in secs])
+
+
+def assemble(meta: bytes, sections: list[tuple[int, bytes]],
+             table: list[int] | None = None) -> RecordPayload:
+    """A version-3 payload from its meta bytes and its sections' (codec byte, data), in
+    body order: head, table of end offsets (``table`` overrides it: crafted inputs), and
+    each section behind its CRC and codec byte."""
+    head = varint(len(meta)) + meta
+    blobs = []
+    for i, (cb, data) in enumerate(sections):
+        blobs.append(_U32.pack(section_crc(i, cb, data)) + bytes([cb]) + data)
+    if table is None:
+        table = np.cumsum([len(b) for b in blobs], dtype=np.int64)[:-1].tolist()
+    out = RecordPayload(head + np.asarray(table, dtype=np.int64).astype("<u4").tobytes()
+                        + b"".join(blobs))
+    out.head_len = len(head)
+    return out
+
+
+def grid_sections(ids: np.ndarray, codec: str, num_experts: int,
+                  token_block: int = DEFAULT_TOKEN_BLOCK, layer_group: int = DEFAULT_LAYER_GROUP,
+                  one_section_bytes: int = DEFAULT_ONE_SECTION_BYTES,
+                  min_section_bytes: int = DEFAULT_MIN_SECTION_BYTES
+                  ) -> tuple[bool, int, int, list[bytes]]:
+    """The version-3 writer's geometry for ids [T, L_moe, K] and its routing sections coded
+    with ``codec`` (before any expansion-limit fallback): (grid, B, G, section data, group-
+    major). One section when the ids take at most ``one_section_bytes``; else
+    ``token_block`` x ``layer_group``, the token block multiplied by the smallest power of
+    two that brings the mean coded section to ``min_section_bytes`` where it is below.
+    """
+    t, nl = ids.shape[:2]
+    if ids.nbytes <= one_section_bytes:
+        b_rows, g_layers = max(t, 1), nl
+        return False, b_rows, g_layers, _codec.encode_grid(ids, codec, num_experts, b_rows,
+                                                           g_layers)
+    b_rows, g_layers = token_block, layer_group
+    blobs = _codec.encode_grid(ids, codec, num_experts, b_rows, g_layers)
+    if min_section_bytes and t > b_rows:
+        # NOTE: highly repetitive routing codes a 512-row section to a few hundred bytes, and
+        # a section's fixed cost (zstd frame, Huffman table, CRC, table entry: 30-60 bytes)
+        # then takes a large share (measured up to 1.5x zstd-19 on 4096-token records with
+        # 90 % repeats). Longer blocks, to about min_section_bytes coded each, cost a rank
+        # reading a few rows at most that many bytes more.
+        mean = sum(map(len, blobs)) / len(blobs)
+        if mean < min_section_bytes:
+            m = 1 << int(np.ceil(np.log2(min_section_bytes / max(mean, 1.0))))
+            b_rows = min(b_rows * m, t)
+            blobs = _codec.encode_grid(ids, codec, num_experts, b_rows, g_layers)
+    return True, b_rows, g_layers, blobs
+
+
+def _encode_routing(part: np.ndarray, codec: str, num_experts: int) -> tuple[str, bytes, int]:
+    """One routing section ids [rows, layers, K] -> (codec, data, decoded bytes), falling
+    back (FALLBACK) where ``codec`` would exceed the reader's expansion limit."""
+    for c in (codec,) + tuple(f for f in FALLBACK if f != codec):
+        blob = _codec.encode(part, c, num_experts)
+        if section_fits(c, part.nbytes, len(blob)):
+            break
+    return c, blob, part.nbytes
+
+
+def _fit_record(secs: list, n_routing: int, schema: RoutingSchema, ids: np.ndarray, b_rows: int,
+                g_layers: int, nb: int, fixed: int) -> None:
+    """Store the most expanding routing sections as ``raw-lm`` until the record is within
+    the record-level expansion limit (only ever needed for near-constant routing)."""
+    decoded = sum(d for _, _, d in secs)
+
+    def size() -> int:
+        return fixed + sum(SECTION_OVERHEAD + len(b) for _, b, _ in secs)
+    if record_fits(schema, decoded, size()):
+        return
+    order = sorted(range(n_routing), key=lambda i: -secs[i][2] / max(1, len(secs[i][1])))
+    for i in order:
+        if secs[i][0] == "raw-lm":
+            continue
+        g, b = divmod(i, nb)
+        part = ids[b * b_rows:(b + 1) * b_rows, g * g_layers:(g + 1) * g_layers]
+        secs[i] = ("raw-lm", _codec.encode(part, "raw-lm"), part.nbytes)
+        if record_fits(schema, decoded, size()):
+            return
+
+
+def encode_meta(sample_id: str, num_tokens: int, token_block: int | None = None,
+                layer_group: int | None = None, *, start: int = 0,
+                prompt_len: int | None = None, arrays: dict[str, int] | None = None,
+                weight_versions: Any = (), engine: str = "", recomputed: Any = (),
+                prefix_cached: Any = ()) -> bytes:
+    """Version-3 binary meta (docs/FORMAT.md "Version 3 meta"): flags, sample id, T, then
+    the fields the flags announce. ``token_block`` and ``layer_group`` (both or neither):
+    the record's section grid (None: one routing section). ``arrays``: {"token_ids": N,
+    "logprobs": G} of the array sections present. Spans: (version, start, end) and
+    (start, end) with non-negative positions."""
+    arrays = arrays or {}
+    flags = 0
+    tail: list[bytes] = []
+    if token_block is not None:
+        flags |= F_GRID
+        tail += [varint(token_block), varint(layer_group or 0)]
+    if start:
+        flags |= F_START
+        tail.append(varint(start))
+    if prompt_len is not None:
+        flags |= F_PROMPT_LEN
+        tail.append(varint(int(prompt_len)))
+    for flag, name in ((F_TOKEN_IDS, "token_ids"), (F_LOGPROBS, "logprobs")):
+        if name in arrays:
+            flags |= flag
+            tail.append(varint(arrays[name]))
+    if weight_versions:
+        flags |= F_WEIGHT_VERSIONS
+        tail.append(varint(len(weight_versions)))
+        for v, a, b in weight_versions:
+            vb = str(v).encode(*UTF8)
+            tail += [varint(len(vb)), vb, varint(int(a)), varint(int(b) - int(a))]
+    if engine:
+        flags |= F_ENGINE
+        e = engine.encode(*UTF8)
+        tail += [varint(len(e)), e]
+    for flag, spans in ((F_RECOMPUTED, recomputed), (F_PREFIX_CACHED, prefix_cached)):
+        if spans:
+            flags |= flag
+            tail.append(varint(len(spans)))
+            for a, b in spans:
+                tail += [varint(int(a)), varint(int(b) - int(a))]
+    sid = sample_id.encode(*UTF8)
+    return b"".join([varint(flags), varint(len(sid)), sid, varint(num_tokens)] + tail)
+
+
+# --------------------------------------------------------------------------- decoding
+
+
+def head_length(prefix: bytes | memoryview, payload_len: int) -> int:
+    """H, the head's length in bytes, from the first bytes of a version-3 payload (at
+    least 10, or the whole payload).
+
+    Raises:
+        SidecarError: the meta length's varint is bad, or M exceeds the payload or the
+            reader's limit (``MAX_JSON_BYTES``).
+    """
+    try:
+        m, pos = read_varint(prefix, 0)
+    except VarintError as e:
+        raise SidecarError(f"record head: {e}") from None
+    if m > MAX_JSON_BYTES or pos + m > payload_len:
+        raise SidecarError(f"meta length {m} exceeds the payload ({payload_len} bytes) or "
+                           f"the reader's limit of {MAX_JSON_BYTES} bytes")
+    return pos + m
+
+
+class _Cursor:
+    """Reads varints and strings from a meta, raising MetaError past its end."""
+
+    def __init__(self, buf: memoryview, pos: int):
+        self.buf, self.pos = buf, pos
+
+    def uint(self, what: str) -> int:
+        try:
+            v, self.pos = read_varint(self.buf, self.pos)
+        except VarintError as e:
+            raise MetaError(f"{what}: {e}") from None
+        return v
+
+    def text(self, what: str) -> str:
+        n = self.uint(what + " length")
+        if self.pos + n > len(self.buf):
+            raise MetaError(f"{what} runs past the meta")
+        try:
+            s = bytes(self.buf[self.pos:self.pos + n]).decode(*UTF8)
+        except UnicodeDecodeError:
+            raise MetaError(f"{what} is not UTF-8") from None
+        self.pos += n
+        return s
+
+    def spans(self, what: str) -> list[tuple[int, int]]:
+        n = self.uint(what + " count")
+        if n > len(self.buf) - self.pos:            # NOTE: 2+ bytes each: a forged count is refused
+            raise MetaError(f"{what} count {n} runs past the meta")
+        out = []
+        for _ in range(n):
+            a = self.uint(what)
+            out.append((a, a + self.uint(what)))
+        return out
+
+
+def decode_head(head: bytes | memoryview, schema: RoutingSchema, payload_len: int,
+                offset: int | None = None) -> RecordMeta:
+    """A version-3 record's head (the H bytes :func:`head_length` gives; its CRC already
+    checked) -> validated meta with its :class:`Grid`.
+
+    Checks the writer's rules on counts, the geometry, that the section table and S
+    sections of at least 5 bytes fit the payload, and the record-level expansion limit,
+    all before anything else is read.
+
+    Raises:
+        SidecarError: naming the offset (and the sample id when the meta gives one).
+    """
+    head = memoryview(head)
+    sid = None
+    try:
+        cur = _Cursor(head, 0)
+        mlen = cur.uint("meta length")
+        if cur.pos + mlen != len(head):
+            raise MetaError("meta length does not match the head")
+        flags = cur.uint("flags")
+        sid = cur.text("sample id")
+        if flags & ~_KNOWN_FLAGS:
+            raise MetaError(f"unknown flags {flags & ~_KNOWN_FLAGS:#x} (a newer writer?)")
+        t = cur.uint("num_tokens")
+        if t > MAX_TOKENS:
+            raise MetaError(f"num_tokens {t} above the format's limit {MAX_TOKENS}")
+        nl = schema.num_moe_layers
+        if flags & F_GRID:
+            b_rows, g_layers = cur.uint("token_block"), cur.uint("layer_group")
+            if not (1 <= b_rows <= MAX_TOKENS and 1 <= g_layers <= nl):
+                raise MetaError(f"token_block {b_rows} or layer_group {g_layers} outside "
+                                f"[1, {MAX_TOKENS}] / [1, {nl}]")
+        else:
+            b_rows, g_layers = max(t, 1), nl
+        start = cur.uint("start") if flags & F_START else 0
+        prompt_len = cur.uint("prompt_len") if flags & F_PROMPT_LEN else None
+        n_tok = cur.uint("token_ids count") if flags & F_TOKEN_IDS else None
+        n_lp = cur.uint("logprobs count") if flags & F_LOGPROBS else None
+        spans: list[WeightVersionSpan] = []
+        if flags & F_WEIGHT_VERSIONS:
+            n = cur.uint("weight_versions count")
+            if n > len(head) - cur.pos:
+                raise MetaError(f"weight_versions count {n} runs past the meta")
+            for _ in range(n):
+                v = cur.text("weight version")
+                a = cur.uint("weight-version span")
+                spans.append(WeightVersionSpan(v, a, a + cur.uint("weight-version span")))
+        engine = cur.text("engine") if flags & F_ENGINE else ""
+        recomputed = cur.spans("recomputed") if flags & F_RECOMPUTED else []
+        prefix_cached = cur.spans("prefix_cached") if flags & F_PREFIX_CACHED else []
+        if cur.pos != len(head):
+            raise MetaError(f"{len(head) - cur.pos} bytes after the meta's last field")
+        check_counts(t, start, prompt_len, n_tok, n_lp)
+        arrays = tuple((name, n) for name, n in (("token_ids", n_tok), ("logprobs", n_lp))
+                       if n is not None)
+        grid = Grid(t, nl, b_rows, g_layers, arrays, len(head))
+        s = grid.n_sections
+        if len(head) + grid.table_len + SECTION_OVERHEAD * s > payload_len:
+            raise MetaError(f"{s} sections (token_block {b_rows}, layer_group {g_layers}) do "
+                            f"not fit a payload of {payload_len} bytes")
+        decoded = t * nl * schema.top_k * schema.id_dtype.itemsize + 4 * sum(n for _, n in arrays)
+        if not record_fits(schema, decoded, payload_len):
+            raise MetaError(f"record declares {decoded} decoded bytes from a payload of "
+                            f"{payload_len} bytes: beyond the reader's limit of "
+                            f"{RECORD_EXPANSION} x + {nl + 2} x {EXPANSION_SLACK} bytes")
+    except MetaError as e:
+        raise SidecarError("invalid record meta" + (f" for sample {sid!r}" if sid else "")
+                           + f": {e}", offset=offset, sample_id=sid) from None
+    return RecordMeta(sample_id=sid, num_tokens=t, start=start, prompt_len=prompt_len,
+                      weight_versions=tuple(spans), recomputed=tuple(recomputed),
+                      prefix_cached=tuple(prefix_cached), engine=engine, grid=grid)
+
+
+def section_crc(index: int, codec_byte: int, data: bytes | memoryview) -> int:
+    """CRC-32 of a version-3 section: over its u32 index, its codec byte and its data."""
+    return zlib.crc32(data, zlib.crc32(_U32.pack(index) + bytes([codec_byte]))) & 0xFFFFFFFF
+
+
+def open_section(grid: Grid, i: int, raw: memoryview, codecs: tuple[str, ...],
+                 schema: RoutingSchema) -> tuple[str, memoryview]:
+    """Check section ``i`` (its stored bytes ``raw``) -> (codec name, data): its CRC, its
+    codec byte and its codec's expansion limit for the shape it holds.
+
+    Raises:
+        SidecarError: a CRC mismatch, a codec byte outside the header's table, an array
+            codec other than zstd/raw, or a section beyond the expansion limit (naming the
+            section).
+    """
+    if len(raw) < SECTION_OVERHEAD:
+        raise SidecarError(f"{grid.describe(i)} is shorter than its checksum and codec byte")
+    cb = raw[4]
+    if _U32.unpack(raw[:4])[0] != section_crc(i, cb, raw[5:]):
+        raise SidecarError(f"{grid.describe(i)}: checksum mismatch")
+    if cb >= len(codecs):
+        raise SidecarError(f"{grid.describe(i)}: codec byte {cb} outside the header's table of "
+                           f"{len(codecs)} codecs")
+    codec = codecs[cb]
+    data = raw[SECTION_OVERHEAD:]
+    if i >= grid.n_routing:
+        name, n = grid.arrays[i - grid.n_routing]
+        if codec not in ARRAY_CODECS:
+            raise SidecarError(f"{grid.describe(i)}: codec {codec!r} is not an array codec "
+                               f"{ARRAY_CODECS}")
+        decoded = n * ARRAY_SECTIONS[name].itemsize
+    else:
+        g, b = divmod(i, grid.n_blocks)
+        (l0, l1), (r0, r1) = grid.layers(g), grid.rows(b)
+        decoded = (r1 - r0) * (l1 - l0) * schema.top_k * schema.id_dtype.itemsize
+    if not section_fits(codec, decoded, len(data)):
+        raise SidecarError(f"{grid.describe(i)} ({codec}) declares {decoded} bytes from {len(data)} "
+                           f"stored bytes: beyond the reader's limit of {EXPANSION[codec]} x "
+                           f"+ {EXPANSION_SLACK} bytes")
+    return codec, data
+
+
+def decode_array(blob: bytes | memoryview, name: str, codec: str, count: int) -> np.ndarray:
     """A ``token_ids`` (int32 [N]) or ``logprobs`` (float32 [G]) section, native byte order.
 
     Raises:
-        SidecarError: the bytes do not hold exactly the section's shape.
+        SidecarError: the bytes do not hold exactly ``count`` values.
     """
-    dtype = ARRAY_SECTIONS[sec.name]
-    n = sec.shape[0] * dtype.itemsize
-    if sec.codec == "zstd":
+    dtype = ARRAY_SECTIONS[name]
+    n = count * dtype.itemsize
+    if codec == "zstd":
         blob = _codec.bounded_zstd_decompress(bytes(blob), n)
     if len(blob) != n:
-        raise SidecarError(f"section {sec.name!r} holds {len(blob)} bytes, expected {n}")
+        raise SidecarError(f"section {name!r} holds {len(blob)} bytes, expected {n}")
     return np.frombuffer(blob, dtype=dtype).astype(dtype.newbyteorder("="))
 
 
-def peek_sample_id(payload: bytes | memoryview) -> str | None:
+def decode_record_payload(payload: bytes | memoryview, schema: RoutingSchema, version: int,
+                          offset: int | None = None) -> tuple[RecordMeta, memoryview]:
+    """Split a version-1/2 record payload into validated meta and the body
+    (routereplay.sidecar.payload_v2; version-3 heads: :func:`decode_head`)."""
+    from routereplay.sidecar.payload_v2 import decode_payload_v2
+    return decode_payload_v2(payload, schema, version, offset)
+
+
+def peek_sample_id(payload: bytes | memoryview, version: int = 2) -> str | None:
     """Best-effort sample id from a payload whose checksum failed (for error messages)."""
+    if version < 3:
+        from routereplay.sidecar.payload_v2 import peek_sample_id_v2
+        return peek_sample_id_v2(payload)
     try:
-        (mlen,) = struct.unpack("<I", payload[:4])
-        meta = json.loads(bytes(payload[4:4 + min(mlen, MAX_JSON_BYTES)]))
-        sid = meta.get("sample_id")
-        return sid if isinstance(sid, str) else None
-    except Exception:  # noqa: BLE001 - corrupt bytes (also RecursionError): nothing to report
+        buf = memoryview(payload)
+        cur = _Cursor(buf, 0)
+        cur.uint("meta length")
+        cur.uint("flags")
+        return cur.text("sample id")
+    except Exception:  # noqa: BLE001 - corrupt bytes: nothing to report
         return None

@@ -2,11 +2,19 @@
 
 Opening reads the header and, for a cleanly closed stream, the index; frames are found by
 the index or by scanning. A scan recovers every complete frame before a torn tail and
-reports corrupt frames by offset; record sections are decoded on demand, only the layer
-groups asked for. The reader is a :class:`routereplay.source.RoutingSource`.
+reports corrupt frames by offset (it reads and checks every byte of every frame).
+
+Records are decoded on demand. Version 3 records are read by ranges: the frame header and
+head (once per record, cached), the section-table entries around the sections needed, and
+the needed sections (one read per contiguous run), each checked against its own CRC; only
+the (token block, layer group) sections holding the asked rows and MoE layers are read and
+decoded. Version 1-2 records are read whole (their CRC covers the whole payload) and only
+the layer groups asked for are decoded. The reader is a
+:class:`routereplay.source.RoutingSource`.
 """
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import io
 import os
@@ -23,13 +31,70 @@ from routereplay.sidecar.layout import (FRAME_HEADER_SIZE, FRAME_MAGIC, HEADER_F
                                         FrameHeader, crc32, decode_header, decode_index,
                                         frame_header_valid, header_json_length,
                                         parse_frame_header, parse_trailer)
-from routereplay.sidecar.payload import (RecordMeta, decode_array,
-                                         decode_record_payload, peek_sample_id)
+from routereplay.sidecar.payload import (SECTION_OVERHEAD, Grid, RecordMeta, decode_array,
+                                         decode_head, decode_record_payload, head_length,
+                                         open_section, peek_sample_id)
 from routereplay.source import Rows, check_fetch_args
 
 _RESYNC_CHUNK = 1 << 20
 MAX_REPORTED = 1000            # error messages (and corrupt-frame entries) kept; the rest counted
 _CRC_TABLE: np.ndarray | None = None
+# NOTE: version 3 ranged reads (docs/FORMAT.md "Reading a version-3 record").
+HEAD_GUESS = 256               # bytes read at a frame for its header and head (one request)
+TABLE_GAP = 1024               # section-table entries this close are read in one request
+
+
+@dataclasses.dataclass(frozen=True)
+class RecordBytes:
+    """Where a record's bytes go (:meth:`SidecarReader.record_bytes`), in bytes.
+
+    Attributes:
+        sample_id: the record's id.
+        frame: the whole frame: frame header, head (meta), section table, sections.
+        routing: the routing sections (their per-section CRC and codec byte included).
+        arrays: bytes of each array section by name ("token_ids", "logprobs").
+        routing_sections: how many routing sections the record has.
+    """
+
+    sample_id: str
+    frame: int
+    routing: int
+    arrays: dict[str, int]
+    routing_sections: int
+
+    @property
+    def routing_frame(self) -> int:
+        """The frame without its array sections: what the record would take in a stream
+        carrying routing only (as the engines' formats do)."""
+        return self.frame - sum(self.arrays.values())
+
+
+@dataclasses.dataclass
+class _Head:
+    """A version-3 record's head, read once and cached for the reader's life.
+
+    Attributes:
+        offset: the frame's offset.
+        meta: the validated meta (with its Grid).
+        payload_len: P.
+        prefix: the payload bytes read with the head (the first HEAD_GUESS - 24 bytes or
+            fewer): table entries and sections inside it are not read again.
+    """
+
+    offset: int
+    meta: RecordMeta
+    payload_len: int
+    prefix: bytes
+
+    @property
+    def grid(self) -> Grid:
+        assert self.meta.grid is not None
+        return self.meta.grid
+
+    @property
+    def body_at(self) -> int:
+        """Payload offset of the body (after the head and the table)."""
+        return self.grid.head_len + self.grid.table_len
 
 
 @dataclasses.dataclass
@@ -94,8 +159,8 @@ class SidecarReader:
     """Read a sidecar stream lazily.
 
     Args:
-        source: a local path (a regular file), an fsspec URL, bytes, or a seekable binary
-            file object.
+        source: a local path (a regular file), an fsspec URL (opened without a read-ahead
+            cache: one ranged request per read), bytes, or a seekable binary file object.
 
     Attributes:
         name: the path or URL read ("<bytes>" / "<stream>" otherwise), for messages.
@@ -141,7 +206,10 @@ class SidecarReader:
         elif isinstance(source, (str, os.PathLike)):
             import fsspec
             self.name = os.fspath(source)
-            self._f = fsspec.open(self.name, "rb").open()
+            # NOTE: no read-ahead cache: fsspec's default fetches whole blocks (5 MiB in
+            # its base class) for every ranged read, which swallows version 3's partial
+            # reads (docs/scale.md); each read is then one ranged request of its bytes.
+            self._f = fsspec.open(self.name, "rb", cache_type="none").open()
         elif all(hasattr(source, m) for m in ("read", "seek", "tell")):
             self.name = getattr(source, "name", None) or "<stream>"
             self.name = self.name if isinstance(self.name, str) else "<stream>"
@@ -181,6 +249,10 @@ class SidecarReader:
         self.codec = hdr.codec
         self.column_order = hdr.column_order
         self.layer_group = hdr.layer_group
+        self.token_block = hdr.token_block
+        self._codecs = hdr.codecs
+        self._heads: dict[int, _Head] = {}                   # version 3: frame offset -> head
+        self._offsets: list[int] = []                         # known frame offsets, sorted
         self._data_start = hdr.size
         self._header_bytes = self._read(0, hdr.size)
         self._scan_pos = hdr.size
@@ -233,7 +305,7 @@ class SidecarReader:
             self._error(f"index frame at offset {off} is unreadable ({e}); records are found "
                         "by scanning")
             return
-        entries = decode_index(payload, self._data_start, off)
+        entries = decode_index(payload, self._data_start, off, self.version)
         if entries is None:
             self._error(f"index frame at offset {off} is not a valid index; records are found "
                         "by scanning")
@@ -243,6 +315,7 @@ class SidecarReader:
         self._index = [FrameInfo(offset=o, kind=KIND_RECORD, payload_len=-1, sample_id=sid)
                        for sid, o in entries]
         self._by_id = {fi.sample_id: fi for fi in self._index}
+        self._offsets = sorted({o for _, o in entries} | {off})
 
     def _read_frame(self, off: int) -> tuple[FrameHeader, bytes]:
         fh = parse_frame_header(self._read(off, FRAME_HEADER_SIZE), off, self.size)
@@ -330,19 +403,19 @@ class SidecarReader:
         off = fh.offset
         fi = FrameInfo(off, fh.kind, fh.payload_len)
         payload = self._read(off + FRAME_HEADER_SIZE, fh.payload_len)
-        if crc32(payload) != fh.payload_crc:
-            fi.error = "payload checksum mismatch"
-            fi.sample_id = peek_sample_id(payload)
-            self._error(f"corrupt frame at offset {off}"
-                        + (f" (sample {fi.sample_id!r})" if fi.sample_id else "")
-                        + ": payload checksum mismatch")
-            return fi
         try:
-            meta = decode_record_payload(payload, self.schema, self.version, off)[0]
+            if self.version >= 3:
+                meta = self._check_record_v3(fh, memoryview(payload))
+            else:
+                if crc32(payload) != fh.payload_crc:
+                    raise SidecarError("payload checksum mismatch", offset=off)
+                meta = decode_record_payload(payload, self.schema, self.version, off)[0]
         except SidecarError as e:
             fi.error = str(e)
-            fi.sample_id = e.sample_id
-            self._error(f"corrupt frame at offset {off}: {e}")
+            fi.sample_id = e.sample_id or peek_sample_id(payload, self.version)
+            self._error(f"corrupt frame at offset {off}"
+                        + (f" (sample {fi.sample_id!r})" if fi.sample_id and e.sample_id is None
+                           else "") + f": {e}")
             return fi
         sid = meta.sample_id
         if sid in self._seen:
@@ -353,10 +426,61 @@ class SidecarReader:
             return fi
         self._seen[sid] = off
         fi.sample_id = sid
-        # NOTE: the section list is dropped: read() decodes the meta again from the frame,
-        # and a scan of many small records should cost little memory per record.
-        fi.meta = dataclasses.replace(meta, sections=())
+        if self.version >= 3:
+            fi.meta = meta
+            self._heads[off] = _Head(off, meta, fh.payload_len,
+                                     payload[:max(0, HEAD_GUESS - FRAME_HEADER_SIZE)])
+        else:
+            # NOTE: the section list is dropped: read() decodes the meta again from the
+            # frame, and a scan of many small records should cost little memory per record.
+            fi.meta = dataclasses.replace(meta, sections=())
         return fi
+
+    def _check_record_v3(self, fh: FrameHeader, payload: memoryview) -> RecordMeta:
+        """Every check of a version-3 record (a scan's): the head's CRC and meta, the whole
+        section table, and each section's CRC, codec byte and expansion limit (nothing is
+        decoded). Returns the meta.
+
+        Raises:
+            SidecarError: the first problem, naming the sample where the meta gives it.
+        """
+        off = fh.offset
+        h = head_length(payload[:10], fh.payload_len)
+        if crc32(payload[:h]) != fh.payload_crc:
+            raise SidecarError("record head checksum mismatch", offset=off)
+        meta = decode_head(payload[:h], self.schema, fh.payload_len, off)
+        grid = meta.grid
+        assert grid is not None
+        try:
+            ends = self._table_ends(grid, payload[h:h + grid.table_len],
+                                    fh.payload_len - h - grid.table_len)
+            body = payload[h + grid.table_len:]
+            for i in range(grid.n_sections):
+                open_section(grid, i, body[int(ends[i]):int(ends[i + 1])], self._codecs,
+                             self.schema)
+        except SidecarError as e:
+            raise SidecarError(f"sample {meta.sample_id!r}: {e}", offset=off,
+                               sample_id=meta.sample_id) from None
+        return meta
+
+    @staticmethod
+    def _table_ends(grid: Grid, table: memoryview, body_len: int) -> np.ndarray:
+        """The whole section table -> section boundaries int64 [S + 1] (0, ends...,
+        body_len), checked: every section at least 5 bytes, in order, inside the body.
+
+        Raises:
+            SidecarError: naming the first section whose table entry is out of place.
+        """
+        ends = np.empty(grid.n_sections + 1, dtype=np.int64)
+        ends[0], ends[-1] = 0, body_len
+        ends[1:-1] = np.frombuffer(table, dtype="<u4")
+        bad = np.flatnonzero(np.diff(ends) < SECTION_OVERHEAD)
+        if bad.size:
+            i = int(bad[0])
+            raise SidecarError(f"section table: {grid.describe(i)} spans [{int(ends[i])}, "
+                               f"{int(ends[i + 1])}) of a {body_len}-byte body (forged or "
+                               "overlapping table entries)")
+        return ends
 
     def _cross_check(self) -> None:
         """Index entries against the frames scanned (FORMAT.md "Index payload")."""
@@ -530,6 +654,16 @@ class SidecarReader:
         want = self._moe_layers(moe_layers)
         if tokens is not None:
             check_fetch_args([], [tokens], 0)
+        if self.version >= 3:
+            meta, got, arrs = self._load_v3(sample_id, want, None if tokens is None else
+                                            check_fetch_args([], [tokens], 0)[1], arrays)
+            (out, first), = got
+            return RoutingRecord(
+                sample_id=meta.sample_id, expert_ids=out, start=first,
+                prompt_len=meta.prompt_len, token_ids=arrs.get("token_ids"),
+                logprobs=arrs.get("logprobs"), weight_versions=list(meta.weight_versions),
+                recomputed=list(meta.recomputed), prefix_cached=list(meta.prefix_cached),
+                engine=meta.engine)
         meta, sections, off = self._record_sections(sample_id, want, arrays)
         r0, r1 = 0, meta.num_tokens
         if tokens is not None:
@@ -546,9 +680,15 @@ class SidecarReader:
 
     def fetch(self, sample_id: str, moe_layers: Sequence[int],
               runs: Sequence[tuple[int, int]]) -> list[Rows]:
-        """:meth:`routereplay.source.RoutingSource.fetch`: every run from one read of the
-        frame, each needed layer-group section decompressed once."""
+        """:meth:`routereplay.source.RoutingSource.fetch`.
+
+        Version 3: reads (by ranges) and decodes only the sections holding these MoE
+        layers and runs; with no MoE layer it reads no section (only the record's head,
+        once). Versions 1-2: every run from one read of the frame, each needed layer-group
+        section decompressed once."""
         want, runs = check_fetch_args(moe_layers, runs, self.schema.num_moe_layers)
+        if self.version >= 3:
+            return self._load_v3(sample_id, want, runs, arrays=False)[1]
         meta, sections, off = self._record_sections(sample_id, want, arrays=False)
         rows = []
         for lo, hi in runs:
@@ -556,6 +696,34 @@ class SidecarReader:
             rows.append((a, min(max(int(hi) - meta.start, a), meta.num_tokens)))
         return [(ids, meta.start + a) for ids, (a, _) in
                 zip(self._assemble(meta, sections, want, rows, off), rows)]
+
+    def record_bytes(self, sample_id: str) -> RecordBytes:
+        """Bytes one record takes in the stream, by part, from its stored section lengths
+        (nothing is decompressed; version 3 reads the head and the section table only).
+
+        Raises:
+            UnknownSampleError (a KeyError): no such sample id.
+            SidecarError: the frame is corrupt, or its section table is out of place.
+        """
+        off, got = self._frame_meta(sample_id)
+        if self.version >= 3:
+            h: _Head = got
+            grid = h.grid
+            body_len = h.payload_len - h.body_at
+            ends = self._table_ends(grid, self._payload(h, grid.head_len, h.body_at),
+                                    body_len)
+            sizes = np.diff(ends)
+            routing = int(sizes[:grid.n_routing].sum())
+            arrays = {name: int(sizes[grid.n_routing + j])
+                      for j, (name, _) in enumerate(grid.arrays)}
+            return RecordBytes(sample_id, FRAME_HEADER_SIZE + h.payload_len, routing, arrays,
+                               grid.n_routing)
+        meta, _body = got
+        fh = parse_frame_header(self._read(off, FRAME_HEADER_SIZE), off, self.size)
+        routing = sum(s.length for s in meta.sections if s.name == "routing")
+        arrays = {s.name: s.length for s in meta.sections if s.name != "routing"}
+        return RecordBytes(sample_id, FRAME_HEADER_SIZE + fh.payload_len, routing, arrays,
+                           sum(1 for s in meta.sections if s.name == "routing"))
 
     def records(self, *, strict: bool = True, **kw: Any) -> Iterator[RoutingRecord]:
         """Iterate over all records in stream order.
@@ -588,17 +756,23 @@ class SidecarReader:
             return list(range(n))
         return check_fetch_args(moe_layers, [], n)[0]
 
-    def _record_sections(self, sample_id: str, want: list[int], arrays: bool
-                         ) -> tuple[RecordMeta, dict[Any, Any], int]:
-        """Meta and decoded sections of ``sample_id``: routing sections holding a wanted
-        layer under their (l0, l1) key, and the arrays if asked for; the frame's offset."""
+    def _frame_meta(self, sample_id: str) -> tuple[int, Any]:
+        """(frame offset, what its record's head says): version 3 the cached
+        :class:`_Head`; versions 1-2 (meta, body) from the whole frame. A record located
+        by the index whose frame is missing, corrupt or holds another sample makes the
+        reader scan (which checks the index against the frames) and look again."""
         fi = self._locate(sample_id)
         off = fi.offset
         try:
-            fh, payload = self._read_frame(off)
-            if fh.kind != KIND_RECORD:
-                raise SidecarError(f"frame at offset {off} is not a record frame", offset=off)
-            meta, body = decode_record_payload(payload, self.schema, self.version, off)
+            if self.version >= 3:
+                got: Any = self._head(off)
+                meta = got.meta
+            else:
+                fh, payload = self._read_frame(off)
+                if fh.kind != KIND_RECORD:
+                    raise SidecarError(f"frame at offset {off} is not a record frame", offset=off)
+                got = decode_record_payload(payload, self.schema, self.version, off)
+                meta = got[0]
             if meta.sample_id != sample_id:
                 raise SidecarError(f"frame at offset {off} holds sample {meta.sample_id!r}",
                                    offset=off)
@@ -610,7 +784,7 @@ class SidecarReader:
                 self.scan()
                 found = self._by_id.get(sample_id)
                 if found is not None:
-                    return self._record_sections(sample_id, want, arrays)
+                    return self._frame_meta(sample_id)
                 raise SidecarError(
                     f"sample {sample_id!r} is listed in the index of {self.name} (offset {off}) "
                     f"but its frame is missing or corrupt: {e}", offset=off,
@@ -619,6 +793,14 @@ class SidecarReader:
                 raise
             raise SidecarError(f"sample {sample_id!r}: {e}", offset=e.offset,
                                sample_id=sample_id) from None
+        return off, got
+
+    def _record_sections(self, sample_id: str, want: list[int], arrays: bool
+                         ) -> tuple[RecordMeta, dict[Any, Any], int]:
+        """Versions 1-2: meta and decoded sections of ``sample_id``: routing sections
+        holding a wanted layer under their (l0, l1) key, and the arrays if asked for; the
+        frame's offset."""
+        off, (meta, body) = self._frame_meta(sample_id)
         wanted = set(want)
         out: dict[Any, Any] = {}
         try:
@@ -630,11 +812,194 @@ class SidecarReader:
                             bytes(blob), sec.codec, sec.shape, self.schema.id_dtype,
                             self.schema.num_experts)
                 elif arrays and sec.name in ("token_ids", "logprobs"):
-                    out[sec.name] = decode_array(blob, sec)
+                    out[sec.name] = decode_array(blob, sec.name, sec.codec, sec.shape[0])
         except SidecarError as e:
             raise SidecarError(f"sample {meta.sample_id!r} (frame at offset {off}): {e}",
                                offset=off, sample_id=meta.sample_id) from None
         return meta, out, off
+
+    # -- version 3: ranged reads
+    def _head(self, off: int) -> _Head:
+        """The head of the version-3 record frame at ``off`` (cached): one read of up to
+        HEAD_GUESS bytes (the frame header, the head and what follows; bounded by the next
+        known frame), a second only if the head is longer.
+
+        Raises:
+            SidecarError: a bad frame header, not a record frame, a head checksum
+                mismatch, an invalid meta.
+        """
+        h = self._heads.get(off)
+        if h is not None:
+            return h
+        j = bisect.bisect_right(self._offsets, off)
+        end = self._offsets[j] if j < len(self._offsets) else self.size
+        buf = self._read(off, max(FRAME_HEADER_SIZE, min(HEAD_GUESS, end - off)))
+        fh = parse_frame_header(buf[:FRAME_HEADER_SIZE], off, self.size)
+        if fh.kind != KIND_RECORD:
+            raise SidecarError(f"frame at offset {off} is not a record frame", offset=off)
+        prefix = buf[FRAME_HEADER_SIZE:FRAME_HEADER_SIZE + fh.payload_len]
+        hl = head_length(prefix[:10] if len(prefix) >= min(10, fh.payload_len)
+                         else self._read(off + FRAME_HEADER_SIZE, 10), fh.payload_len)
+        head = prefix[:hl] if hl <= len(prefix) else \
+            prefix + self._read(off + FRAME_HEADER_SIZE + len(prefix), hl - len(prefix))
+        if len(head) != hl or crc32(head) != fh.payload_crc:
+            raise SidecarError(f"corrupt frame at offset {off}: record head checksum mismatch",
+                               offset=off, sample_id=peek_sample_id(head, 3))
+        meta = decode_head(head, self.schema, fh.payload_len, off)
+        h = self._heads[off] = _Head(off, meta, fh.payload_len, prefix)
+        return h
+
+    def _payload(self, h: _Head, a: int, b: int, whole: bytes | None = None) -> memoryview:
+        """Bytes [a, b) of a version-3 record's payload: from ``whole`` or the bytes read
+        with the head when they hold them, else one read."""
+        if whole is not None:
+            return memoryview(whole)[a:b]
+        if b <= len(h.prefix):
+            return memoryview(h.prefix)[a:b]
+        got = self._read(h.offset + FRAME_HEADER_SIZE + a, b - a)
+        if len(got) != b - a:
+            raise SidecarError(f"record frame at offset {h.offset} ends after "
+                               f"{a + len(got)} of its {h.payload_len} payload bytes "
+                               "(the stream shrank?)", offset=h.offset)
+        return memoryview(got)
+
+    def _sections_v3(self, h: _Head, needed: list[int], sink: Any) -> None:
+        """Read, check and hand ``sink(i, codec, data)`` each section of ``needed``
+        (sorted section indices): the table entries around them in ranges, then one read
+        per contiguous run of sections (the whole payload in one read when every section
+        is needed).
+
+        Raises:
+            SidecarError: a table entry out of place (naming the section), a section
+                failing its checks (open_section).
+        """
+        grid = h.grid
+        n = grid.n_sections
+        body_len = h.payload_len - h.body_at
+        whole = None
+        if len(needed) == n and len(h.prefix) < h.payload_len:
+            whole = self._read(h.offset + FRAME_HEADER_SIZE, h.payload_len)
+            if len(whole) != h.payload_len:
+                raise SidecarError(f"record frame at offset {h.offset} is cut short",
+                                   offset=h.offset)
+        if len(needed) == n:
+            ends = self._table_ends(grid, self._payload(h, grid.head_len, h.body_at, whole),
+                                    body_len)
+            bounds = {i: (int(ends[i]), int(ends[i + 1])) for i in needed}
+        else:
+            entries = self._table_entries(h, needed, whole)
+            bounds = {}
+            for i in needed:
+                a = entries[i - 1] if i else 0
+                b = entries[i] if i < n - 1 else body_len
+                if not (SECTION_OVERHEAD <= b - a and b <= body_len):
+                    raise SidecarError(f"section table: {grid.describe(i)} spans [{a}, {b}) of "
+                                       f"a {body_len}-byte body (forged or overlapping table "
+                                       "entries)")
+                bounds[i] = (a, b)
+        j = 0
+        while j < len(needed):                 # one read per run of adjacent sections
+            e = j
+            while e + 1 < len(needed) and bounds[needed[e + 1]][0] == bounds[needed[e]][1]:
+                e += 1
+            a0, b0 = bounds[needed[j]][0], bounds[needed[e]][1]
+            buf = self._payload(h, h.body_at + a0, h.body_at + b0, whole)
+            for i in needed[j:e + 1]:
+                a, b = bounds[i]
+                codec, data = open_section(grid, i, buf[a - a0:b - a0], self._codecs,
+                                           self.schema)
+                sink(i, codec, data)
+            j = e + 1
+
+    def _table_entries(self, h: _Head, needed: list[int], whole: bytes | None) -> dict[int, int]:
+        """End offsets of sections ``needed`` and of those just before them (their starts),
+        read in ranges (entries within TABLE_GAP of each other share one read)."""
+        last = h.grid.n_sections - 1                  # its end is the body's: no entry
+        want = sorted({i for x in needed for i in (x - 1, x) if 0 <= i < last})
+        out: dict[int, int] = {}
+        j = 0
+        while j < len(want):
+            e = j
+            while e + 1 < len(want) and want[e + 1] - want[e] <= TABLE_GAP:
+                e += 1
+            i0, i1 = want[j], want[e]
+            raw = self._payload(h, h.grid.head_len + 4 * i0, h.grid.head_len + 4 * (i1 + 1),
+                                whole)
+            out.update(zip(range(i0, i1 + 1), np.frombuffer(raw, dtype="<u4").tolist()))
+            j = e + 1
+        return out
+
+    def _load_v3(self, sample_id: str, want: list[int], runs: list[tuple[int, int]] | None,
+                 arrays: bool) -> tuple[RecordMeta, list[Rows], dict[str, np.ndarray]]:
+        """Version 3: (meta, rows per run, arrays) of ``sample_id``, reading and decoding
+        only the sections holding MoE layers ``want`` x ``runs`` (absolute token positions,
+        clipped to the record's rows; None: every row), and the arrays if asked for.
+
+        NOTE: each section is decoded, its rows copied into the outputs and dropped, so the
+        reader holds the outputs plus one read range and one decoded section. The outputs
+        are allocated before any section is read: their size is within the record-level
+        expansion limit, checked on the head."""
+        off, h = self._frame_meta(sample_id)
+        meta, grid, schema = h.meta, h.grid, self.schema
+        t, k = meta.num_tokens, schema.top_k
+        if runs is None:
+            rows = [(0, t)]
+        else:
+            rows = []
+            for lo, hi in runs:
+                a = min(max(lo - meta.start, 0), t)
+                rows.append((a, min(max(int(hi) - meta.start, a), t)))
+        out = [np.empty((r1 - r0, len(want), k), dtype=schema.id_dtype) for r0, r1 in rows]
+        cols: dict[int, tuple[list[int], list[int]]] = {}       # group -> (out cols, section cols)
+        for pos, lyr in enumerate(want):
+            g = lyr // grid.layer_group
+            c = cols.setdefault(g, ([], []))
+            c[0].append(pos)
+            c[1].append(lyr - g * grid.layer_group)
+        blocks = sorted({b for r0, r1 in rows if r1 > r0
+                         for b in range(r0 // grid.token_block, (r1 - 1) // grid.token_block + 1)})
+        needed = [g * grid.n_blocks + b for g in sorted(cols) for b in blocks]
+        if arrays:
+            needed += [i for i in (grid.array_index("token_ids"), grid.array_index("logprobs"))
+                       if i is not None]
+        got: dict[str, np.ndarray] = {}
+
+        def sink(i: int, codec: str, data: memoryview) -> None:
+            if i >= grid.n_routing:
+                name, count = grid.arrays[i - grid.n_routing]
+                got[name] = decode_array(data, name, codec, count)
+                return
+            g, b = divmod(i, grid.n_blocks)
+            (l0, l1), (b0, b1) = grid.layers(g), grid.rows(b)
+            ids = _codec.decode(bytes(data), codec, (b1 - b0, l1 - l0, k), schema.id_dtype,
+                                schema.num_experts)
+            pos, offs = cols[g]
+            run = pos == list(range(pos[0], pos[0] + len(pos))) \
+                and offs == list(range(offs[0], offs[0] + len(offs)))
+            for o, (r0, r1) in zip(out, rows):
+                a, e = max(r0, b0), min(r1, b1)
+                if e <= a:
+                    continue
+                if run:
+                    o[a - r0:e - r0, pos[0]:pos[0] + len(pos)] = \
+                        ids[a - b0:e - b0, offs[0]:offs[0] + len(offs)]
+                else:
+                    o[a - r0:e - r0, pos] = ids[a - b0:e - b0][:, offs]
+
+        try:
+            self._sections_v3(h, needed, sink)
+        except SidecarError as e:
+            raise SidecarError(f"sample {meta.sample_id!r} (frame at offset {off}): {e}",
+                               offset=off, sample_id=meta.sample_id) from None
+        layer_ids = [schema.moe_layer_ids[i] for i in want]
+        for o, (r0, _) in zip(out, rows):
+            try:
+                RoutingRecord(meta.sample_id, o, start=meta.start + r0).validate_ids(
+                    schema, layer_ids=layer_ids)
+            except RecordError as e:
+                raise SidecarError(f"frame at offset {off}: {e}", offset=off,
+                                   sample_id=meta.sample_id) from None
+        return meta, [(o, meta.start + r0) for o, (r0, _) in zip(out, rows)], got
 
     def _assemble(self, meta: RecordMeta, sections: dict[Any, Any], want: list[int],
                   rows: list[tuple[int, int]], offset: int) -> list[np.ndarray]:

@@ -16,18 +16,24 @@ from routereplay import codec as _codec
 from routereplay.errors import ConfigError, RecordError, SidecarError
 from routereplay.record import RoutingRecord
 from routereplay.schema import RoutingSchema
-from routereplay.sidecar.layout import (COLUMN_ORDERS, DEFAULT_LAYER_GROUP, KIND_INDEX,
-                                        KIND_RECORD, MAX_JSON_BYTES, MAX_TOKENS, encode_frame,
-                                        encode_header, encode_index, encode_trailer)
+from routereplay.sidecar.layout import (COLUMN_ORDERS, DEFAULT_LAYER_GROUP,
+                                        DEFAULT_MIN_SECTION_BYTES, DEFAULT_ONE_SECTION_BYTES,
+                                        DEFAULT_TOKEN_BLOCK,
+                                        FORMAT_VERSION, KIND_INDEX, KIND_RECORD, MAX_JSON_BYTES,
+                                        MAX_TOKENS, V2_LAYER_GROUP, WRITABLE_VERSIONS,
+                                        codec_table, encode_frame, encode_header, encode_index,
+                                        encode_trailer)
 from routereplay.sidecar.payload import encode_record_payload
 
 FSYNC_MODES = ("close", "frame", "never")
 
 
-def writer_codec(codec: str | None, column_order: str = "engine") -> str:
+def writer_codec(codec: str | None, column_order: str = "engine",
+                 format_version: int = FORMAT_VERSION) -> str:
     """The routing codec a writer uses for ``codec`` (None: the default) and ``column_order``.
 
-    None -> ``ctx-zstd`` (engine order) or ``ctx-ans-sorted`` (sorted); ``ctx-ans`` with
+    None -> ``xl-zstd`` (engine order; ``ctx-zstd`` for a ``format_version=2`` writer, whose
+    readers may predate ``xl-zstd``) or ``ctx-ans-sorted`` (sorted); ``ctx-ans`` with
     sorted rows -> ``ctx-ans-sorted``.
 
     Raises:
@@ -37,7 +43,8 @@ def writer_codec(codec: str | None, column_order: str = "engine") -> str:
     if column_order not in COLUMN_ORDERS:
         raise ConfigError(f"column_order must be one of {COLUMN_ORDERS}")
     if codec is None:
-        return "ctx-ans-sorted" if column_order == "sorted" else _codec.DEFAULT_CODEC
+        return "ctx-ans-sorted" if column_order == "sorted" else \
+            _codec.DEFAULT_CODEC if format_version >= 3 else _codec.V2_DEFAULT_CODEC
     if column_order == "sorted" and codec == "ctx-ans":
         return "ctx-ans-sorted"
     if codec not in _codec.CODECS:
@@ -55,15 +62,28 @@ class SidecarWriter:
             binary file object, or None for an in-memory stream (read it with
             :meth:`getvalue` after :meth:`close`, e.g. to put it in a Ray object store).
         schema: routing schema of every record.
-        layer_group: MoE layers per routing section; a reader decompresses whole sections,
-            so this is the unit of partial reads by layer (e.g. one pipeline stage).
+        token_block, layer_group: the version-3 section grid: routing sections of
+            ``token_block`` rows (B, default 512) x ``layer_group`` MoE layers (G, default
+            1). A reader reads and decodes whole sections, so this is the unit of partial
+            reads (a rank's token runs, one pipeline stage's layers); the defaults were
+            chosen by measurement (docs/FORMAT.md "Choosing the geometry"). Version 2:
+            ``layer_group`` only (default 4), sections span all rows.
+        one_section_bytes: version 3: a record whose ids take at most this many bytes
+            (``T x L_moe x top_k x itemsize``, default 64 KiB) is written as one section:
+            short records pay one section's framing, and a codec sees all their layers.
+        min_section_bytes: version 3: where a record's routing sections code to less than
+            this on average (default 1024; repetitive routing), its token block is multiplied
+            by the smallest power of two that reaches it (0: never).
+        format_version: 3 (default) or 2, for readers older than version 3 (which refuse
+            version 3 by its header).
         background: encode and write on a background thread (default). The queue holds
             at most ``max_queue`` records; :meth:`write` blocks when it is full.
         fsync: "close" (default) fsyncs local files on close; "frame" after every frame;
             "never" leaves it to the OS.
-        codec: routing codec (routereplay.codec.CODECS); None (default) picks ``ctx-zstd``
-            (fast), or ``ctx-ans-sorted`` for sorted streams; ``ctx-ans`` is 2-5 % smaller
-            than ``ctx-zstd`` on most routing and 10-50x slower.
+        codec: routing codec (routereplay.codec.CODECS); None (default) picks ``xl-zstd``
+            (``ctx-zstd`` for ``format_version=2``), or ``ctx-ans-sorted`` for sorted
+            streams; ``ctx-ans`` is 2-5 % smaller than ``ctx-zstd`` on most routing and
+            10-50x slower.
         column_order: "engine" (default: top-k columns exactly as the engine returned
             them) or "sorted" (canonical: each row in ascending expert id; declared in the
             header; ``ctx-ans-sorted`` codes it smaller by about log2(top_k!) bits a row).
@@ -90,29 +110,52 @@ class SidecarWriter:
     a torn tail, which readers detect and skip.
 
     Raises:
-        ConfigError: a bad codec, column order, fsync mode, layer group or max_queue.
+        ConfigError: a bad codec, column order, fsync mode, format version, token block,
+            layer group, one_section_bytes or max_queue.
     """
 
     def __init__(self, dest: str | os.PathLike | BinaryIO | None, schema: RoutingSchema, *,
                  codec: str | None = None, background: bool = True, max_queue: int = 64,
                  fsync: str = "close", extra_header: dict[str, Any] | None = None,
-                 layer_group: int = DEFAULT_LAYER_GROUP, column_order: str = "engine"):
+                 layer_group: int | None = None, column_order: str = "engine",
+                 token_block: int = DEFAULT_TOKEN_BLOCK,
+                 one_section_bytes: int = DEFAULT_ONE_SECTION_BYTES,
+                 min_section_bytes: int = DEFAULT_MIN_SECTION_BYTES,
+                 format_version: int = FORMAT_VERSION):
         if not isinstance(schema, RoutingSchema):
             raise ConfigError(f"schema must be a RoutingSchema, got {type(schema).__name__}")
         if dest is not None and not isinstance(dest, (str, os.PathLike)) \
                 and not hasattr(dest, "write"):
             raise ConfigError(f"a sidecar destination is a path, an fsspec URL, a writable "
                               f"binary file object or None, not {type(dest).__name__}")
-        codec = writer_codec(codec, column_order)
+        codec = writer_codec(codec, column_order, format_version)
         if fsync not in FSYNC_MODES:
             raise ConfigError(f"fsync must be one of {FSYNC_MODES}, got {fsync!r}")
-        if isinstance(layer_group, bool) or not isinstance(layer_group, int) or layer_group < 1:
-            raise ConfigError(f"layer_group must be an integer >= 1, got {layer_group!r}")
+        if format_version not in WRITABLE_VERSIONS:
+            raise ConfigError(f"format_version must be one of {WRITABLE_VERSIONS}, got "
+                              f"{format_version!r}")
+        if layer_group is None:
+            layer_group = DEFAULT_LAYER_GROUP if format_version >= 3 else V2_LAYER_GROUP
+        for name, v, lo in (("layer_group", layer_group, 1), ("token_block", token_block, 1),
+                            ("one_section_bytes", one_section_bytes, 0),
+                            ("min_section_bytes", min_section_bytes, 0)):
+            if isinstance(v, bool) or not isinstance(v, int) or v < lo:
+                raise ConfigError(f"{name} must be an integer >= {lo}, got {v!r}")
+        if token_block > MAX_TOKENS:
+            raise ConfigError(f"token_block must be at most {MAX_TOKENS}, got {token_block}")
+        layer_group = min(layer_group, schema.num_moe_layers)
         if isinstance(max_queue, bool) or not isinstance(max_queue, int) or max_queue < 1:
             # NOTE: queue.Queue(0) would be unbounded: no back-pressure, unbounded loss
             raise ConfigError(f"max_queue must be an integer >= 1, got {max_queue!r}")
+        self.format_version = format_version
+        self.token_block, self.one_section_bytes = token_block, one_section_bytes
+        self.min_section_bytes = min_section_bytes
+        self._codecs = codec_table(codec)
         try:
-            header = encode_header(schema, codec, extra_header, layer_group, column_order)
+            header = encode_header(schema, codec, extra_header, layer_group, column_order,
+                                   version=format_version, token_block=token_block,
+                                   one_section_bytes=one_section_bytes, codecs=self._codecs,
+                                   min_section_bytes=min_section_bytes)
         except (TypeError, ValueError) as e:
             raise ConfigError(f"extra_header is not JSON-serialisable: {e}") from None
         if len(header) - 20 > MAX_JSON_BYTES:
@@ -170,7 +213,9 @@ class SidecarWriter:
                               f"{MAX_TOKENS} token positions")
         # NOTE: the meta's size is checked here, not on the writer thread, so that an
         # oversized record fails its own write() and the stream stays usable.
-        sections = -(-self.schema.num_moe_layers // self.layer_group) + 2
+        # (the version-3 binary meta is smaller than this JSON; version 2 adds its sections)
+        sections = 0 if self.format_version >= 3 else \
+            -(-self.schema.num_moe_layers // self.layer_group) + 2
         meta_len = len(json.dumps(record.meta(), separators=(",", ":")).encode()) + 48 * sections
         if meta_len > MAX_JSON_BYTES:
             raise RecordError(f"sample {str(record.sample_id)[:80]!r}: record meta of about "
@@ -238,7 +283,7 @@ class SidecarWriter:
         """Index frame and trailer over the frames written so far (also after a background
         write error: the frames before it stay indexed)."""
         index_offset = self._pos
-        self._emit(encode_frame(KIND_INDEX, encode_index(self._index)))
+        self._emit(encode_frame(KIND_INDEX, encode_index(self._index, self.format_version)))
         self._emit(encode_trailer(index_offset))
         self._f.flush()
         if self._fsync != "never":
@@ -260,7 +305,11 @@ class SidecarWriter:
 
     def _write_now(self, record: RoutingRecord) -> None:
         payload = encode_record_payload(record, self.schema, self.codec, self.layer_group,
-                                        self.column_order)
+                                        self.column_order, version=self.format_version,
+                                        token_block=self.token_block,
+                                        one_section_bytes=self.one_section_bytes,
+                                        min_section_bytes=self.min_section_bytes,
+                                        codecs=self._codecs)
         offset = self._pos
         self._emit(encode_frame(KIND_RECORD, payload))
         self._index.append((record.sample_id, offset))

@@ -3,6 +3,17 @@
 Each builder returns bytes that a reader must handle within its limits (docs/FORMAT.md
 "Reader limits"): refused with a RouteReplayError, or read, at a cost bounded by the
 input's size. Used by tests/test_fuzz_bounds.py and benchmarks/robustness.py.
+
+A record payload is edited as ``(meta, parts)`` (:func:`split_payload`), the same shape for
+every version: ``meta`` the record's fields, with ``meta["sections"]`` a list of
+``[name, codec, length, a, b]`` (routing: version 2 ``l0, l1``, version 3 layer group
+``g`` and token block ``b``) or ``[name, codec, length, count]`` (arrays), and ``parts``
+the sections' data. :func:`join_payload` re-encodes it with valid checksums (version 3:
+head CRC in the frame, a CRC per section, the table from the parts), so the forgeries
+reach the meta and codec checks behind them. Version 3 also takes ``meta["table"]`` (forged
+section-table entries) and ``meta["bad_crc"]`` (section indices whose CRC is left wrong).
+Version-3 crafted streams declare the codec table :data:`CODECS_V3`, so a section may name
+any codec, a bogus one included.
 """
 from __future__ import annotations
 
@@ -15,8 +26,14 @@ import zstandard
 
 from routereplay.record import RoutingRecord, WeightVersionSpan
 from routereplay.schema import RoutingSchema
-from routereplay.sidecar.layout import KIND_RECORD, encode_frame, encode_header
+from routereplay.sidecar import payload as _payload
+from routereplay.sidecar.layout import (FORMAT_VERSION, KIND_RECORD, encode_frame,
+                                        encode_header, read_varint)
 from routereplay.sidecar.payload import encode_record_payload
+
+# the codec table of crafted version-3 streams (a section's codec byte indexes it)
+CODECS_V3 = ("ctx-zstd", "raw-lm", "zstd", "raw", "ctx-ans", "ctx-ans-sorted", "zstd-lm",
+             "xl-zstd", "bogus")
 
 MiB = 1 << 20
 
@@ -36,37 +53,127 @@ def record(schema: RoutingSchema, sample_id: str, num_tokens: int, seed: int,
         weight_versions=[WeightVersionSpan("v0", 0, num_tokens)], engine="crafted")
 
 
-def split_payload(payload: bytes) -> tuple[dict, list[bytes]]:
-    """(meta JSON object, section bytes in list order) of a record payload."""
-    (mlen,) = struct.unpack("<I", payload[:4])
-    meta = json.loads(payload[4:4 + mlen])
-    body, parts, pos = payload[4 + mlen:], [], 0
-    for sec in meta["sections"]:
-        parts.append(body[pos:pos + sec[2]])
-        pos += sec[2]
+def split_payload(payload: bytes, version: int = FORMAT_VERSION,
+                  schema: RoutingSchema | None = None) -> tuple[dict, list[bytes]]:
+    """(meta, section data in body order) of a record payload (module doc); version 3
+    needs the stream's ``schema``."""
+    if version < 3:
+        (mlen,) = struct.unpack("<I", payload[:4])
+        meta = json.loads(payload[4:4 + mlen])
+        body, parts, pos = payload[4 + mlen:], [], 0
+        for sec in meta["sections"]:
+            parts.append(body[pos:pos + sec[2]])
+            pos += sec[2]
+        return meta, parts
+    buf = memoryview(payload)
+    h = _payload.head_length(buf[:10], len(buf))
+    m = _payload.decode_head(buf[:h], schema, len(buf))
+    g = m.grid
+    grid = _is_grid(buf)
+    meta: dict = {"sample_id": m.sample_id, "num_tokens": m.num_tokens, "start": m.start,
+                  "prompt_len": m.prompt_len,
+                  "weight_versions": [[w.version, w.start, w.end] for w in m.weight_versions],
+                  "recomputed": [list(x) for x in m.recomputed],
+                  "prefix_cached": [list(x) for x in m.prefix_cached], "engine": m.engine,
+                  "token_block": g.token_block if grid else None,
+                  "layer_group": g.layer_group if grid else None,
+                  "sections": []}
+    ends = [0] + np.frombuffer(buf[h:h + g.table_len], dtype="<u4").tolist() \
+        + [len(buf) - h - g.table_len]
+    body = buf[h + g.table_len:]
+    parts = []
+    for i in range(g.n_sections):
+        raw = bytes(body[ends[i]:ends[i + 1]])
+        codec, data = CODECS_V3[raw[4]], raw[5:]
+        if i < g.n_routing:
+            meta["sections"].append(["routing", codec, len(data), *divmod(i, g.n_blocks)])
+        else:
+            name, n = g.arrays[i - g.n_routing]
+            meta["sections"].append([name, codec, len(data), n])
+        parts.append(data)
     return meta, parts
 
 
-def join_payload(meta: dict, parts: list[bytes]) -> bytes:
+def _is_grid(buf: memoryview) -> bool:
+    _, pos = read_varint(buf, 0)
+    return bool(read_varint(buf, pos)[0] & _payload.F_GRID)
+
+
+def join_payload(meta: dict, parts: list[bytes], version: int = FORMAT_VERSION) -> bytes:
     """Inverse of :func:`split_payload`; section lengths are set from ``parts``."""
     for sec, part in zip(meta["sections"], parts):
         sec[2] = len(part)
-    js = json.dumps(meta).encode()
-    return struct.pack("<I", len(js)) + js + b"".join(parts)
+    if version < 3:
+        js = json.dumps(meta).encode()
+        return struct.pack("<I", len(js)) + js + b"".join(parts)
+    arrays = {sec[0]: sec[3] for sec in meta["sections"] if sec[0] != "routing"}
+    mb = _payload.encode_meta(
+        meta["sample_id"], meta["num_tokens"], meta.get("token_block"), meta.get("layer_group"),
+        start=meta.get("start", 0), prompt_len=meta.get("prompt_len"), arrays=arrays,
+        weight_versions=meta.get("weight_versions", ()), engine=meta.get("engine", ""),
+        recomputed=meta.get("recomputed", ()), prefix_cached=meta.get("prefix_cached", ()))
+    secs = [(CODECS_V3.index(sec[1]) if sec[1] in CODECS_V3 else 255, bytes(part))
+            for sec, part in zip(meta["sections"], parts)]
+    out = _payload.assemble(mb, secs, meta.get("table"))
+    if meta.get("bad_crc"):
+        buf = bytearray(out)
+        h = out.head_len
+        table = meta.get("table") or np.cumsum([5 + len(d) for _, d in secs])[:-1].tolist()
+        body_at = h + 4 * (len(secs) - 1)
+        for i in meta["bad_crc"]:
+            buf[body_at + ([0] + list(table))[i]] ^= 0xFF         # the CRC's first byte
+        out2 = _payload.RecordPayload(bytes(buf))
+        out2.head_len = h
+        return out2
+    return out
 
 
-def stream(schema: RoutingSchema, payloads: list[bytes]) -> bytes:
+def reseal(payload: bytes, schema: RoutingSchema) -> bytes:
+    """A version-3 payload whose bytes were edited, with its checksums made valid again
+    where its head and table still say where they lie: the frame's CRC over the head
+    (:func:`encode_frame` takes ``head_len``), and each section's CRC."""
+    out = _payload.RecordPayload(payload)
+    buf = memoryview(payload)
+    try:
+        h = _payload.head_length(buf[:10], len(buf))
+    except Exception:  # noqa: BLE001 - a head that does not parse: nothing to reseal
+        return out
+    out.head_len = h
+    try:
+        g = _payload.decode_head(buf[:h], schema, len(buf)).grid
+    except Exception:  # noqa: BLE001
+        return out
+    body = h + g.table_len
+    ends = [0] + np.frombuffer(buf[h:body], dtype="<u4").tolist() + [len(buf) - body]
+    fixed = bytearray(payload)
+    for i in range(g.n_sections):
+        a, b = body + ends[i], body + ends[i + 1]
+        if b - a >= 5 and b <= len(buf):
+            fixed[a:a + 4] = struct.pack("<I", _payload.section_crc(i, fixed[a + 4],
+                                                                    bytes(fixed[a + 5:b])))
+    out = _payload.RecordPayload(bytes(fixed))
+    out.head_len = h
+    return out
+
+
+def stream(schema: RoutingSchema, payloads: list[bytes], version: int = FORMAT_VERSION) -> bytes:
     """A stream (no index) framing ``payloads`` with valid checksums."""
-    return encode_header(schema) + b"".join(encode_frame(KIND_RECORD, p) for p in payloads)
+    return encode_header(schema, version=version, codecs=CODECS_V3 if version >= 3 else None) \
+        + b"".join(encode_frame(KIND_RECORD, p) for p in payloads)
 
 
 def forged(schema: RoutingSchema, rec: RoutingRecord, edit: Callable[[dict, list], None],
-           codec: str | None = None) -> bytes:
-    """A one-record stream whose meta and sections ``edit(meta, parts)`` changed in place."""
+           codec: str | None = None, version: int = FORMAT_VERSION, **kw) -> bytes:
+    """A one-record stream whose meta and sections ``edit(meta, parts)`` changed in place.
+    ``kw``: more :func:`encode_record_payload` options (version 3: ``token_block``,
+    ``layer_group``, ``one_section_bytes``)."""
+    if version >= 3:
+        kw["codecs"] = CODECS_V3
     meta, parts = split_payload(encode_record_payload(
-        rec, schema, **({"codec": codec} if codec else {})))
+        rec, schema, **({"codec": codec} if codec else {}), version=version, **kw), version,
+        schema)
     edit(meta, parts)
-    return stream(schema, [join_payload(meta, parts)])
+    return stream(schema, [join_payload(meta, parts, version)], version)
 
 
 def zstd_bomb(nbytes: int, fill: bytes = b"\0") -> bytes:
@@ -123,7 +230,8 @@ def resync_junk(schema: RoutingSchema, nbytes: int = 32 * MiB) -> bytes:
 def many_tiny_records(schema: RoutingSchema, nbytes: int = 8 * MiB) -> bytes:
     """Valid records of one row each, ``nbytes`` of them (index memory per record)."""
     rec = record(schema, "x", 2, 5, arrays=False)
-    meta, parts = split_payload(encode_record_payload(rec, schema))
+    meta, parts = split_payload(encode_record_payload(rec, schema, codecs=CODECS_V3),
+                                schema=schema)
     frames, size, i = [], 0, 0
     while size < nbytes:
         meta["sample_id"] = f"t{i:08d}"
@@ -131,7 +239,7 @@ def many_tiny_records(schema: RoutingSchema, nbytes: int = 8 * MiB) -> bytes:
         frames.append(f)
         size += len(f)
         i += 1
-    return encode_header(schema) + b"".join(frames)
+    return encode_header(schema, codecs=CODECS_V3) + b"".join(frames)
 
 
 def many_corrupt_frames(schema: RoutingSchema, nbytes: int = 8 * MiB) -> bytes:
@@ -143,10 +251,90 @@ def many_corrupt_frames(schema: RoutingSchema, nbytes: int = 8 * MiB) -> bytes:
 
 
 def big_meta(schema: RoutingSchema, nbytes: int = 1 << 20) -> bytes:
-    """A record meta of just under ``nbytes`` (the JSON limit), mostly recomputed spans."""
+    """A record meta of just under ``nbytes`` (the meta limit), mostly recomputed spans
+    (two bytes each in version 3's binary meta)."""
     def edit(meta, parts):
-        meta["recomputed"] = [[0, 1]] * ((nbytes - 4096) // 8)
+        meta["recomputed"] = [[0, 1]] * ((nbytes - 4096) // 2)
     return forged(schema, record(schema, "m", 12, 7), edit)
+
+
+# --------------------------------------------------------------------------- version 3
+
+
+def _grid_record(schema: RoutingSchema, sample_id: str = "grid", num_tokens: int = 40,
+                 seed: int = 9, arrays: bool = True) -> tuple[RoutingRecord, dict]:
+    """A record and the writer options that make it a grid of 8-row x 1-layer sections."""
+    return (record(schema, sample_id, num_tokens, seed, arrays),
+            dict(token_block=8, layer_group=1, one_section_bytes=0, min_section_bytes=0))
+
+
+def forged_table_entry(schema: RoutingSchema) -> bytes:
+    """Version 3: a section-table entry moved into the next section (both sections' bytes
+    change; a reader's CRC of each, which covers the section's index, refuses them)."""
+    rec, kw = _grid_record(schema)
+
+    def edit(meta, parts):
+        ends = np.cumsum([5 + len(p) for p in parts])[:-1].tolist()
+        ends[1] += 3
+        meta["table"] = ends
+    return forged(schema, rec, edit, **kw)
+
+
+def swapped_table_entries(schema: RoutingSchema) -> bytes:
+    """Version 3: sections 0 and 1 swapped in the body, the table following them: every
+    byte is a valid section, at the wrong index (each CRC covers its index)."""
+    rec, kw = _grid_record(schema)
+    data = forged(schema, rec, lambda m, p: None, **kw)
+    # NOTE: swap the two sections' stored bytes (CRC and codec byte included) in place
+    buf = bytearray(data)
+    head_at = _first_frame(schema, data) + 24
+    h = _payload.head_length(buf[head_at:head_at + 10], len(buf) - head_at)
+    m = _payload.decode_head(bytes(buf[head_at:head_at + h]), schema, len(buf) - head_at)
+    g = m.grid
+    table = np.frombuffer(bytes(buf[head_at + h:head_at + h + g.table_len]), "<u4").tolist()
+    body = head_at + h + g.table_len
+    s0, s1 = bytes(buf[body:body + table[0]]), bytes(buf[body + table[0]:body + table[1]])
+    buf[body:body + table[1]] = s1 + s0
+    buf[head_at + h:head_at + h + 4] = struct.pack("<I", len(s1))
+    return bytes(buf)
+
+
+def overlapping_sections(schema: RoutingSchema) -> bytes:
+    """Version 3: table entries that go backwards (section 2 starts inside section 1)."""
+    rec, kw = _grid_record(schema)
+
+    def edit(meta, parts):
+        ends = np.cumsum([5 + len(p) for p in parts])[:-1].tolist()
+        ends[2] = ends[0] + 2
+        meta["table"] = ends
+    return forged(schema, rec, edit, **kw)
+
+
+def section_crc_mismatch(schema: RoutingSchema) -> bytes:
+    """Version 3: one routing section (MoE layer 1, rows [8, 16)) whose CRC fails; every
+    other section reads."""
+    rec, kw = _grid_record(schema)
+    nb = -(-(rec.num_tokens) // kw["token_block"])
+
+    def edit(meta, parts):
+        meta["bad_crc"] = [1 * nb + 1]
+    return forged(schema, rec, edit, **kw)
+
+
+def grid_count_bomb(schema: RoutingSchema) -> bytes:
+    """Version 3: a 40-token record whose meta claims 2^24 rows in blocks of one row
+    (2^24 x L_moe sections): refused from the head, before any table entry is read."""
+    rec, kw = _grid_record(schema, arrays=False)
+
+    def edit(meta, parts):
+        meta["num_tokens"] = 1 << 24
+        meta["token_block"] = 1
+    return forged(schema, rec, edit, **kw)
+
+
+def _first_frame(schema: RoutingSchema, data: bytes) -> int:
+    (jlen,) = struct.unpack("<I", data[12:16])
+    return 20 + jlen
 
 
 def largest_valid_ctx_ans(schema: RoutingSchema, num_tokens: int = 1 << 20) -> bytes:
@@ -172,6 +360,12 @@ CASES: dict[str, Callable[[RoutingSchema], bytes]] = {
     "many corrupt frames": many_corrupt_frames,
     "meta JSON at its limit": big_meta,
     "largest valid ctx-ans record": largest_valid_ctx_ans,
+    "v3 forged table entry": forged_table_entry,
+    "v3 swapped sections": swapped_table_entries,
+    "v3 overlapping sections": overlapping_sections,
+    "v3 section CRC mismatch": section_crc_mismatch,
+    "v3 grid count bomb": grid_count_bomb,
 }
 
-__all__ = ["CASES", "record", "forged", "split_payload", "join_payload", "stream", "zstd_bomb"]
+__all__ = ["CASES", "CODECS_V3", "record", "forged", "split_payload", "join_payload", "reseal",
+           "stream", "zstd_bomb"]

@@ -129,7 +129,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--max-tokens", type=int, default=48)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--codec", default=None, help="routing codec of the sidecar (default ctx-zstd)")
+    p.add_argument("--codec", default=None, help="routing codec of the sidecar (default xl-zstd)")
     p.add_argument("--update-from", help="checkpoint folder loaded halfway through (keep mode)")
     a = p.parse_args(argv)
     with open(a.prompts) as f:

@@ -18,7 +18,7 @@ from routereplay.cli.stage import StageError, run_stage
 from routereplay.errors import RouteReplayError
 from routereplay.record import RoutingRecord
 from routereplay.schema import RoutingSchema
-from routereplay.sidecar import SidecarReader, write_records
+from routereplay.sidecar import SidecarReader
 
 TRAINER_MODEL_TYPES = ("qwen3_moe",)   # trainer_hooks/megatron/harness/qwen3_moe.py
 METRIC_KEYS = ("routing_agreement", "k3_kl", "mean_abs_dlogp", "max_abs_dlogp",
@@ -49,18 +49,23 @@ class DemoError(StageError):
 
 
 def routing_only_bytes(sidecar: str) -> tuple[int, int]:
-    """(bytes, rows): the sidecar's records re-encoded without token ids and log-probs.
+    """(bytes, rows) of the sidecar's routing, from the stored section lengths.
 
-    The sidecar of the demo also carries token ids and log-probs; the engines' formats carry
-    only routing, so the size comparison uses a routing-only stream (header, frames and
-    index included).
+    The demo's sidecar also carries token ids and log-probs; the engines' formats carry
+    only routing, so the comparison counts every record frame without its array sections
+    (:meth:`SidecarReader.record_bytes` ``routing_frame``: frame header, meta, section
+    table, routing sections), plus the stream header, the index and the trailer. rows:
+    (token, MoE layer) rows.
     """
     with SidecarReader(sidecar) as r:
-        recs = [dataclasses.replace(x, token_ids=None, logprobs=None)
-                for x in r.records(arrays=False)]
-        schema = r.schema
-    w = write_records(None, schema, recs, background=False)
-    return len(w.getvalue()), sum(x.num_tokens for x in recs) * schema.num_moe_layers
+        frames = r.scan()
+        ids = [f.meta.sample_id for f in frames if f.meta is not None]
+        sizes = [r.record_bytes(i) for i in ids]
+        rows = sum(f.meta.num_tokens for f in frames if f.meta is not None)
+        record_frames = sum(x.frame for x in sizes)
+        stream = r.size
+    return stream - record_frames + sum(x.routing_frame for x in sizes), \
+        rows * r.schema.num_moe_layers
 
 
 def run_demo(cfg: DemoConfig) -> dict[str, Any]:

@@ -1,0 +1,206 @@
+"""Format version 1-2 record payloads (docs/FORMAT.md "Version 2 record payload"): JSON
+meta, then the sections back to back, one CRC over the whole payload (the frame's).
+
+    payload = meta_len(u32) meta_json body
+    body    = section bytes back to back, in the order of meta["sections"]
+
+Version 2 meta leaves defaults out and lists sections as compact arrays
+``[name, codec, length, a, b]``; version 1 meta (read only) is handled by
+routereplay.sidecar.payload_v1 and becomes the same :class:`RecordMeta`. Written only by a
+writer asked for ``format_version=2`` (readers older than version 3); version 3 lives in
+routereplay.sidecar.payload.
+"""
+from __future__ import annotations
+
+import json
+import struct
+from typing import Any
+
+import numpy as np
+import zstandard
+
+from routereplay import codec as _codec
+from routereplay.errors import RecordError, SidecarError
+from routereplay.record import RoutingRecord
+from routereplay.schema import RoutingSchema
+from routereplay.sidecar.layout import MAX_JSON_BYTES, MAX_TOKENS, V2_LAYER_GROUP
+from routereplay.sidecar.payload import (ARRAY_SECTIONS, EXPANSION, EXPANSION_SLACK,
+                                         FALLBACK, MetaError, RecordMeta, Section,
+                                         check_counts, is_int, parse_spans, section_fits)
+
+# Meta keys a version-2 writer leaves out when they hold their default.
+META_DEFAULTS: dict[str, Any] = {"start": 0, "prompt_len": None, "weight_versions": [],
+                                 "recomputed": [], "prefix_cached": [], "engine": ""}
+
+
+def encode_payload_v2(record: RoutingRecord, schema: RoutingSchema, codec: str,
+                      layer_group: int = V2_LAYER_GROUP, column_order: str = "engine") -> bytes:
+    """Version-2 record payload: u32 meta_len, meta JSON, then the section blobs.
+
+    Meta keys equal to their default are left out; sections are ``[name, codec, length,
+    a, b]`` arrays laid back to back in list order. ``column_order="sorted"`` stores each
+    row in ascending expert order. A section that would expand beyond the reader's limit
+    (:func:`section_fits`) is stored with the next codec of :data:`FALLBACK` that fits.
+
+    Raises:
+        RecordError: the meta JSON exceeds the reader's limit (``MAX_JSON_BYTES``).
+    """
+    sections: list[list[Any]] = []
+    blobs: list[bytes] = []
+    ids = np.sort(record.expert_ids, axis=-1) if column_order == "sorted" else record.expert_ids
+    for l0 in range(0, schema.num_moe_layers, layer_group):
+        l1 = min(l0 + layer_group, schema.num_moe_layers)
+        part = ids[:, l0:l1]
+        for c in (codec,) + tuple(f for f in FALLBACK if f != codec):
+            blob = _codec.encode(part, c, schema.num_experts)
+            if section_fits(c, part.nbytes, len(blob)):
+                break
+        blobs.append(blob)
+        sections.append(["routing", c, len(blobs[-1]), l0, l1])
+    if record.token_ids is not None:
+        tok = np.ascontiguousarray(record.token_ids, dtype="<i4").tobytes()
+        blob, c = zstandard.ZstdCompressor(level=3).compress(tok), "zstd"
+        if not section_fits(c, len(tok), len(blob)):
+            blob, c = tok, "raw"
+        blobs.append(blob)
+        sections.append(["token_ids", c, len(blobs[-1]), len(tok) // 4])
+    if record.logprobs is not None:
+        lp = np.ascontiguousarray(record.logprobs, dtype="<f4")
+        blobs.append(lp.tobytes())
+        sections.append(["logprobs", "raw", len(blobs[-1]), int(lp.shape[0])])
+    meta = {k: v for k, v in record.meta().items() if META_DEFAULTS.get(k, ...) != v}
+    meta["sections"] = sections
+    js = json.dumps(meta, sort_keys=True, separators=(",", ":")).encode()
+    if len(js) > MAX_JSON_BYTES:
+        raise RecordError(f"sample {str(record.sample_id)[:80]!r}: record meta of {len(js)} bytes "
+                          f"exceeds the reader's limit of {MAX_JSON_BYTES} bytes")
+    return struct.pack("<I", len(js)) + js + b"".join(blobs)
+
+
+def decode_payload_v2(payload: bytes | memoryview, schema: RoutingSchema, version: int,
+                      offset: int | None = None) -> tuple[RecordMeta, memoryview]:
+    """Split a version-1/2 record payload into validated meta and the body.
+
+    Args:
+        payload: the frame's payload (its CRC already checked).
+        version: the stream's format version (1 or 2).
+        offset: the frame's offset, for error messages.
+    Raises:
+        SidecarError: naming the offset (and the sample id when the meta names one).
+    """
+    payload = memoryview(payload)
+    if len(payload) < 4:
+        raise SidecarError("record payload shorter than its meta length", offset=offset)
+    (mlen,) = struct.unpack("<I", payload[:4])
+    if mlen > min(len(payload) - 4, MAX_JSON_BYTES):
+        raise SidecarError(f"meta length {mlen} exceeds the payload ({len(payload)} bytes) or "
+                           f"the reader's limit of {MAX_JSON_BYTES} bytes", offset=offset)
+    try:
+        raw = json.loads(bytes(payload[4:4 + mlen]))
+    except (ValueError, RecursionError) as e:
+        raise SidecarError(f"record meta is not JSON: {e!r}"[:300], offset=offset) from None
+    body = payload[4 + mlen:]
+    if not isinstance(raw, dict):
+        raise SidecarError("invalid record meta: not an object", offset=offset)
+    sid = raw.get("sample_id")
+    sid = sid if isinstance(sid, str) else None
+    try:
+        if version == 1:
+            from routereplay.sidecar.payload_v1 import sections_v1
+            raw = {**raw, "sections": sections_v1(raw.get("sections"), raw.get("num_tokens"),
+                                                  schema)}
+        else:
+            raw = {**META_DEFAULTS, **raw,
+                   "sections": _sections_v2(raw.get("sections"), raw.get("num_tokens"), schema)}
+        meta = _validate(raw, schema, len(body))
+    except MetaError as e:
+        raise SidecarError("invalid record meta" + (f" for sample {sid!r}" if sid else "")
+                           + f": {e}", offset=offset, sample_id=sid) from None
+    return meta, body
+
+
+def _sections_v2(secs: Any, num_tokens: Any, schema: RoutingSchema) -> list[Section]:
+    """``[name, codec, length, a, b]`` arrays -> sections with body offsets."""
+    if not isinstance(secs, list):
+        raise MetaError("field 'sections' missing or not list")
+    out, pos = [], 0
+    for sec in secs:
+        if not (isinstance(sec, list) and 4 <= len(sec) <= 5 and isinstance(sec[0], str)
+                and isinstance(sec[1], str) and all(is_int(x) and x >= 0 for x in sec[2:])):
+            raise MetaError(f"bad section {str(sec)[:80]}")
+        name, codec, length = sec[0], sec[1], sec[2]
+        if name == "routing" and len(sec) == 5:
+            layers = (sec[3], sec[4])
+            shape = (num_tokens if is_int(num_tokens) else -1, sec[4] - sec[3], schema.top_k)
+        else:
+            layers, shape = None, tuple(sec[3:])
+        out.append(Section(name, codec, pos, length, shape, layers))
+        pos += length
+    return out
+
+
+def _validate(meta: dict[str, Any], schema: RoutingSchema, body_len: int) -> RecordMeta:
+    types = {"sample_id": str, "num_tokens": int, "start": int, "weight_versions": list,
+             "recomputed": list, "prefix_cached": list, "engine": str}
+    for k, ty in types.items():
+        if not isinstance(meta.get(k), ty) or isinstance(meta.get(k), bool):
+            raise MetaError(f"field {k!r} missing or not {ty.__name__}")
+    t = meta["num_tokens"]
+    if t < 0 or meta["start"] < 0:
+        raise MetaError("negative num_tokens or start")
+    if t > MAX_TOKENS:
+        raise MetaError(f"num_tokens {t} above the format's limit {MAX_TOKENS}")
+    pl = meta.get("prompt_len")
+    if pl is not None and (not is_int(pl) or pl < 0):
+        raise MetaError("prompt_len not a non-negative integer")
+    spans, flags = parse_spans(meta)
+    covered: list[int] = []
+    arrays: dict[str, int] = {}
+    too_big = ""
+    for sec in meta["sections"]:
+        if not (0 <= sec.offset and 0 <= sec.length and sec.offset + sec.length <= body_len):
+            raise MetaError(f"section {sec.name!r} lies outside the payload")
+        if not all(is_int(x) and x >= 0 for x in sec.shape):
+            raise MetaError(f"section {sec.name!r} has a bad shape")
+        itemsize = (schema.id_dtype.itemsize if sec.name == "routing"
+                    else ARRAY_SECTIONS[sec.name].itemsize if sec.name in ARRAY_SECTIONS else 0)
+        decoded = itemsize * int(np.prod(sec.shape, dtype=np.float64))
+        if itemsize and not section_fits(sec.codec, decoded, sec.length) and not too_big:
+            too_big = (f"section {sec.name!r} ({sec.codec}) declares {decoded} bytes from "
+                       f"{sec.length} stored bytes: beyond the reader's limit of "
+                       f"{EXPANSION[sec.codec]} x + {EXPANSION_SLACK} bytes")
+        if sec.name == "routing":
+            ly = sec.moe_layers
+            if ly is None or not (0 <= ly[0] < ly[1] <= schema.num_moe_layers):
+                raise MetaError(f"routing section has bad layers {None if ly is None else list(ly)}")
+            if sec.shape != (t, ly[1] - ly[0], schema.top_k):
+                raise MetaError(f"routing section shape {list(sec.shape)} does not match "
+                                "num_tokens/top_k")
+            covered.extend(range(ly[0], ly[1]))
+        elif sec.name in ARRAY_SECTIONS:
+            if len(sec.shape) != 1 or sec.codec not in ("zstd", "raw"):
+                raise MetaError(f"section {sec.name!r} has a bad shape or codec")
+            if sec.name in arrays:
+                raise MetaError(f"section {sec.name!r} appears twice")
+            arrays[sec.name] = sec.shape[0]
+    if sorted(covered) != list(range(schema.num_moe_layers)):
+        raise MetaError(f"routing sections cover MoE layers {sorted(covered)}, "
+                        f"expected 0..{schema.num_moe_layers - 1} once each")
+    check_counts(t, meta["start"], pl, arrays.get("token_ids"), arrays.get("logprobs"))
+    if too_big:
+        raise MetaError(too_big)
+    return RecordMeta(sample_id=meta["sample_id"], num_tokens=t, start=meta["start"],
+                      prompt_len=pl, weight_versions=tuple(spans),
+                      recomputed=flags["recomputed"], prefix_cached=flags["prefix_cached"],
+                      engine=meta["engine"], sections=tuple(meta["sections"]))
+
+
+def peek_sample_id_v2(payload: bytes | memoryview) -> str | None:
+    """Best-effort sample id from a payload whose checksum failed (for error messages)."""
+    try:
+        (mlen,) = struct.unpack("<I", payload[:4])
+        meta = json.loads(bytes(payload[4:4 + min(mlen, MAX_JSON_BYTES)]))
+        sid = meta.get("sample_id")
+        return sid if isinstance(sid, str) else None
+    except Exception:  # noqa: BLE001 - corrupt bytes (also RecursionError): nothing to report
+        return None
