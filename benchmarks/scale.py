@@ -65,7 +65,6 @@ import os
 import re
 import shutil
 import statistics
-import sys
 import tempfile
 import time
 import tracemalloc

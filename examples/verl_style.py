@@ -13,7 +13,6 @@ Per RL step (one per policy version of examples/rollout_worker.py):
     python examples/verl_style.py --model MODEL_DIR --rollout ROLLOUT     # megatron-core
 """
 import argparse
-import functools
 import glob
 import json
 

@@ -350,7 +350,6 @@ def checked_moe_ids(arr: np.ndarray, schema: RoutingSchema, sample_id: str, *, s
             f"{getattr(arr, 'dtype', type(arr))}, expected integer [T, {want} "
             f"({'num_hidden_layers' if full_layout else 'MoE layers'}), top_k={schema.top_k}]")
     check_id_dtype(arr.dtype, schema, sample_id)
-    layer_ids = list(schema.moe_layer_ids)
     out = np.empty((arr.shape[0], schema.num_moe_layers, schema.top_k), schema.id_dtype)
     for a, b in row_chunks(arr.shape[0], want * schema.top_k):
         out[a:b] = moe_rows(arr[a:b], schema, sample_id, start=start + a,

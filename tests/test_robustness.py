@@ -3,7 +3,6 @@ input. Each test's first case is the issue's example; work and memory are assert
 the error type (tracemalloc peak: numpy buffers included; CPU: process time)."""
 from __future__ import annotations
 
-import json
 import os
 import re
 import signal

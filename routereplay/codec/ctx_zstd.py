@@ -137,6 +137,15 @@ def _store_every_row(repeat_fraction: float, num_experts: int, top_k: int) -> bo
     return h2 >= 0.75 * f * top_k * np.log2(max(num_experts, 2))
 
 
+def _check_input(ids: np.ndarray, e: int) -> None:
+    """ids must be the schema's id dtype (uint8 for E <= 256, else uint16), all < E."""
+    if ids.dtype != (np.uint8 if e <= 256 else np.uint16):
+        raise RecordError(f"ctx-zstd codes {e} experts from {'uint8' if e <= 256 else 'uint16'} "
+                          f"ids, got {ids.dtype}")
+    if ids.size and int(ids.max()) >= e:
+        raise RecordError(f"expert id out of range [0, {e})")
+
+
 def encode(ids: np.ndarray, num_experts: int, level: int | None = None) -> bytes:
     """ids: uint8|uint16 [T, G, top_k] -> one zstd frame (a ``ctx-zstd`` section).
 
@@ -148,11 +157,7 @@ def encode(ids: np.ndarray, num_experts: int, level: int | None = None) -> bytes
     """
     t, g, k = ids.shape
     e = num_experts
-    if ids.dtype != (np.uint8 if e <= 256 else np.uint16):
-        raise RecordError(f"ctx-zstd codes {e} experts from {'uint8' if e <= 256 else 'uint16'} "
-                          f"ids, got {ids.dtype}")
-    if ids.size and int(ids.max()) >= e:
-        raise RecordError(f"expert id out of range [0, {e})")
+    _check_input(ids, e)
     rows = _row_view(ids).T                                   # [G, T] one scalar per row
     fresh = np.ones((g, t), dtype=bool)
     fresh[:, 1:] = rows[:, 1:] != rows[:, :-1]
@@ -203,11 +208,7 @@ def encode_grid(ids: np.ndarray, num_experts: int, token_block: int, layer_group
     """
     t, nl, k = ids.shape
     e = num_experts
-    if ids.dtype != (np.uint8 if e <= 256 else np.uint16):
-        raise RecordError(f"ctx-zstd codes {e} experts from {'uint8' if e <= 256 else 'uint16'} "
-                          f"ids, got {ids.dtype}")
-    if ids.size and int(ids.max()) >= e:
-        raise RecordError(f"expert id out of range [0, {e})")
+    _check_input(ids, e)
     rows = _row_view(ids)                                     # [T, L] one scalar per row
     fresh_all = np.ones((t, nl), dtype=bool)
     fresh_all[1:] = rows[1:] != rows[:-1]

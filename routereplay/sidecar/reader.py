@@ -26,10 +26,10 @@ import numpy as np
 from routereplay import codec as _codec
 from routereplay.errors import ConfigError, RecordError, SidecarError, UnknownSampleError
 from routereplay.record import RoutingRecord
-from routereplay.sidecar.layout import (FRAME_HEADER_SIZE, FRAME_MAGIC, HEADER_FIXED_SIZE,
+from routereplay.sidecar.layout import (FRAME_HEADER_SIZE, HEADER_FIXED_SIZE,
                                         KIND_INDEX, KIND_RECORD, TRAILER_MAGIC, TRAILER_SIZE,
                                         FrameHeader, crc32, decode_header, decode_index,
-                                        frame_header_valid, header_json_length,
+                                        header_json_length,
                                         parse_frame_header, parse_trailer)
 from routereplay.sidecar.payload import (SECTION_OVERHEAD, Grid, RecordMeta, decode_array,
                                          decode_head, decode_record_payload, head_length,
@@ -991,14 +991,7 @@ class SidecarReader:
         except SidecarError as e:
             raise SidecarError(f"sample {meta.sample_id!r} (frame at offset {off}): {e}",
                                offset=off, sample_id=meta.sample_id) from None
-        layer_ids = [schema.moe_layer_ids[i] for i in want]
-        for o, (r0, _) in zip(out, rows):
-            try:
-                RoutingRecord(meta.sample_id, o, start=meta.start + r0).validate_ids(
-                    schema, layer_ids=layer_ids)
-            except RecordError as e:
-                raise SidecarError(f"frame at offset {off}: {e}", offset=off,
-                                   sample_id=meta.sample_id) from None
+        self._check_ids(meta, out, rows, want, off)
         return meta, [(o, meta.start + r0) for o, (r0, _) in zip(out, rows)], got
 
     def _assemble(self, meta: RecordMeta, sections: dict[Any, Any], want: list[int],
@@ -1027,17 +1020,24 @@ class SidecarReader:
                     o[:, pos[0]:pos[0] + len(pos)] = ids[r0:r1, offs[0]:offs[0] + len(offs)]
                 else:
                     o[:, pos] = ids[r0:r1][:, offs]
-        # NOTE: the reader is the boundary that checks stored ids (range, distinct in a
-        # row); consumers (alignment, replay) do not check them again.
-        layer_ids = [schema.moe_layer_ids[i] for i in want]
+        self._check_ids(meta, out, rows, want, offset)
+        return out
+
+    def _check_ids(self, meta: RecordMeta, out: list[np.ndarray], rows: list[tuple[int, int]],
+                   want: list[int], offset: int) -> None:
+        """Check decoded ids [r1 - r0, len(want), K] of each row range (range, distinct in
+        a row), naming the sample, token position and decoder layer.
+
+        NOTE: the reader is the boundary that checks stored ids; consumers (alignment,
+        replay) do not check them again."""
+        layer_ids = [self.schema.moe_layer_ids[i] for i in want]
         for o, (r0, _) in zip(out, rows):
             try:
                 RoutingRecord(meta.sample_id, o, start=meta.start + r0).validate_ids(
-                    schema, layer_ids=layer_ids)
+                    self.schema, layer_ids=layer_ids)
             except RecordError as e:
                 raise SidecarError(f"frame at offset {offset}: {e}", offset=offset,
                                    sample_id=meta.sample_id) from None
-        return out
 
     def close(self) -> None:
         """Close the underlying file (when the reader opened it)."""

@@ -15,8 +15,6 @@ import tempfile
 from typing import Any
 
 from routereplay.cli.stage import StageError, run_stage
-from routereplay.errors import RouteReplayError
-from routereplay.record import RoutingRecord
 from routereplay.schema import RoutingSchema
 from routereplay.sidecar import SidecarReader
 
