@@ -197,6 +197,33 @@ def test_export_and_convert_never_overwrite_their_input_or_leave_partials(tmp_pa
     assert sorted(os.listdir(tmp_path)) == ["in.npy", "outdir", "s.rrsc"]      # no .partial
 
 
+def test_no_spelling_of_an_input_is_overwritten(tmp_path, schema):
+    """Inputs given as a glob, or named like the output's temporary file, are still inputs."""
+    import numpy as np
+    d = tmp_path / "d"
+    d.mkdir()
+    for name in ("a", "b"):
+        write_records(str(d / f"{name}.rrsc"), schema, [random_record(schema, name, 12, 1)])
+    before = (d / "a.rrsc").read_bytes()
+    p = _cli(["export", str(d / "*.rrsc"), "--sample", "b", "--out", str(d / "a.rrsc")])
+    assert p.returncode == 2 and "is the input" in p.stderr, p.stderr
+    assert (d / "a.rrsc").read_bytes() == before
+    part = tmp_path / "x.partial"
+    write_records(str(part), schema, [random_record(schema, "x", 12, 1)])
+    before = part.read_bytes()
+    p = _cli(["export", str(part), "--sample", "x", "--out", str(tmp_path / "x")])
+    assert p.returncode == 2 and "temporary file" in p.stderr, p.stderr
+    assert part.read_bytes() == before and not (tmp_path / "x").exists()
+    npy = tmp_path / "r.rrsc.partial"
+    with open(npy, "wb") as f:
+        np.save(f, random_record(schema, "r", 10, 2).expert_ids)
+    before = npy.read_bytes()
+    p = _cli(["convert", "--from", "npy", str(npy), "--out", str(tmp_path / "r.rrsc"),
+              "--num-experts", "16", "--top-k", "4", "--moe-layers", "1-3"])
+    assert p.returncode == 2 and "temporary file" in p.stderr, p.stderr
+    assert npy.read_bytes() == before
+
+
 def test_fifo_sidecar_is_refused_not_hung(tmp_path):
     fifo = tmp_path / "p.rrsc"
     os.mkfifo(fifo)
@@ -204,6 +231,12 @@ def test_fifo_sidecar_is_refused_not_hung(tmp_path):
                                           str(tmp_path / "x.npy")]):
         p = _cli(args, timeout=60)
         assert p.returncode == 1 and "not a regular file" in (p.stdout + p.stderr), p
+    fifo_in = tmp_path / "in.npy"
+    os.mkfifo(fifo_in)
+    p = _cli(["convert", "--from", "npy", str(fifo_in), "--out", str(tmp_path / "o.rrsc"),
+              "--num-experts", "8", "--top-k", "2", "--moe-layers", "1-3"], timeout=60)
+    assert p.returncode == 1 and "not a regular file" in p.stderr, p
+    assert not any(x.startswith("o.rrsc") for x in os.listdir(tmp_path))
 
 
 def test_ids_with_surrogates_or_control_characters_are_escaped(tmp_path, schema):

@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import stat
 import sys
 from typing import Any, Iterable
 
@@ -190,18 +191,38 @@ def _emit_inspect(out: dict, as_json: bool, rc: int) -> int:
     return rc
 
 
+def _input_files(inputs: list[str]) -> list[str]:
+    """The local paths the input arguments name: files, folders (and every file in them),
+    and what globs match (so an output can be compared with each)."""
+    import glob as _glob
+    out: list[str] = []
+    for src in inputs:
+        if "://" in src:
+            continue
+        matched = _glob.glob(src) if any(c in src for c in "*?[") else [src]
+        for p in matched:
+            out.append(p)
+            if os.path.isdir(p):
+                out += [os.path.join(p, x) for x in os.listdir(p)]
+    return [p for p in out if os.path.exists(p)]
+
+
 def _check_out(out: str, inputs: list[str], option: str = "--out") -> None:
-    """Refuse an output path that is a folder, or one of (or inside) the inputs."""
+    """Refuse an output path that is a folder, or one of (or inside) the inputs, or whose
+    temporary file (``out + '.partial'``) is one of them: globs and folders are expanded
+    first, so no spelling of an input can be overwritten or removed."""
     if "://" in out:
         return
     if os.path.isdir(out):
         raise UsageError(f"{option} {out} is a folder: give a file path")
-    for src in inputs:
-        if "://" in src or not os.path.exists(src) or not os.path.exists(out):
-            continue
-        if os.path.samefile(out, src) or (os.path.isdir(src) and os.path.samefile(
-                os.path.dirname(os.path.abspath(out)), src)):
-            raise UsageError(f"refusing to write {option} {out}: it is (inside) the input {src}")
+    for src in _input_files(inputs):
+        for target in (out, out + ".partial"):
+            if os.path.exists(target) and os.path.samefile(target, src):
+                raise UsageError(f"refusing to write {option} {out}: "
+                                 f"{'it' if target == out else 'its temporary file ' + target}"
+                                 f" is the input {src}")
+        if os.path.isdir(src) and os.path.samefile(os.path.dirname(os.path.abspath(out)), src):
+            raise UsageError(f"refusing to write {option} {out}: it is inside the input {src}")
 
 
 def _replace_atomically(dest: str, write) -> None:
@@ -232,8 +253,12 @@ def _cmd_convert(a: argparse.Namespace) -> int:
         if isinstance(e, SchemaError) and a.config:
             raise SchemaError(f"{a.config}: {e}") from None
         raise UsageError(f"{where if isinstance(e, SchemaError) else '--codec'}: {e}") from None
-    if not os.path.exists(a.input):
-        raise RouteReplayError(f"input {a.input} does not exist")
+    if "://" not in a.input:
+        if not os.path.exists(a.input):
+            raise RouteReplayError(f"input {a.input} does not exist")
+        if not stat.S_ISREG(os.stat(a.input).st_mode):
+            # NOTE: a FIFO or device would block the read (or never end)
+            raise RouteReplayError(f"input {a.input} is not a regular file")
     _check_out(a.out, [a.input])
     local = "://" not in a.out
     if not local or "://" in a.input:
