@@ -28,6 +28,7 @@ import binascii
 import io
 import json
 import os
+import stat
 import zipfile
 from typing import BinaryIO, Iterator, Sequence
 
@@ -40,6 +41,10 @@ from routereplay.schema import RoutingSchema
 
 KINDS = ("npy", "vllm", "vllm-b64", "sglang-b64")
 MAX_LINE_BYTES = 1 << 30          # one JSON/base64 line (bytes)
+# NOTE: an .npz member may inflate to at most this many times its compressed bytes (the
+# sidecar reader's limit, routereplay.sidecar.payload.record_fits): engines' int32 routing
+# deflates 4-30x; a member of 1 GiB of zeros claims about 1000x.
+NPZ_EXPANSION = 128
 
 
 def schema_from_args(config: str | None = None, num_experts: int | None = None,
@@ -205,6 +210,21 @@ def read_npy_record(f: BinaryIO, size: int, what: str, sample_id: str, schema: R
     return rec
 
 
+def check_regular_file(path: str) -> None:
+    """Refuse an input that is not a regular file (a FIFO or device would block the read,
+    or never end).
+
+    Raises:
+        RecordError: naming the path.
+    """
+    try:
+        mode = os.stat(path).st_mode
+    except OSError as e:
+        raise RecordError(f"{path}: cannot be read ({e.strerror})") from None
+    if not stat.S_ISREG(mode):
+        raise RecordError(f"{path}: not a regular file")
+
+
 def iter_npy_records(path: str, schema: RoutingSchema, *, full_layout: bool | None = None
                      ) -> Iterator[RoutingRecord]:
     """Records from an .npy (sample id = file stem), each ``.npy`` member of an .npz
@@ -222,6 +242,7 @@ def iter_npy_records(path: str, schema: RoutingSchema, *, full_layout: bool | No
             yield from iter_npy_records(os.path.join(path, n), schema, full_layout=full_layout)
         return
     stem = os.path.splitext(os.path.basename(path))[0]
+    check_regular_file(path)
     try:
         if path.endswith(".npz"):
             with zipfile.ZipFile(path) as z:
@@ -229,6 +250,15 @@ def iter_npy_records(path: str, schema: RoutingSchema, *, full_layout: bool | No
                     if not info.filename.endswith(".npy"):
                         continue
                     sid = info.filename[:-4]
+                    if info.compress_type != zipfile.ZIP_STORED and \
+                            info.file_size > NPZ_EXPANSION * info.compress_size:
+                        # NOTE: the work and memory of a conversion stay in proportion to
+                        # the input's size (as the sidecar reader's expansion limit does):
+                        # a member inflating beyond that is refused before it is read
+                        raise RecordError(
+                            f"{path}:{info.filename}: member declares {info.file_size} bytes "
+                            f"from {info.compress_size} compressed bytes, beyond the limit of "
+                            f"{NPZ_EXPANSION} x (store it uncompressed: np.savez, or as .npy)")
                     with z.open(info) as f:
                         rec = read_npy_record(f, info.file_size, f"{path}:{info.filename}", sid,
                                               schema, full_layout=full_layout)
@@ -251,6 +281,7 @@ def iter_b64(path: str, kind: str, schema: RoutingSchema, *, num_fused_shared_ex
     are dropped)."""
     stem = os.path.splitext(os.path.basename(path))[0]
     found = False
+    check_regular_file(path)
     with open(path, "rb") as f:
         for lineno, line in enumerate(f, 1):
             line = line.strip()

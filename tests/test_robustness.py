@@ -86,27 +86,39 @@ def test_id_dtype_too_narrow_for_num_experts_is_refused(tmp_path):
 
 # --- kind 9: convert's work follows the data, not the declared sizes ------------------------
 
-def _zip_member(path, name, header_arr_like, nbytes, fill=b"\0"):
+def _zip_member(path, name, header_arr_like, nbytes, fill=b"\0", fortran=False):
     with zipfile.ZipFile(path, "w", compression=zipfile.ZIP_DEFLATED) as z:
         with z.open(name, "w", force_zip64=True) as f:
-            np.lib.format.write_array_header_1_0(
-                f, np.lib.format.header_data_from_array_1_0(header_arr_like))
-            block = fill * MiB
+            header = np.lib.format.header_data_from_array_1_0(header_arr_like)
+            header["fortran_order"] = fortran
+            np.lib.format.write_array_header_1_0(f, header)
+            block = fill * (MiB // len(fill))
             for _ in range(nbytes // MiB):
                 f.write(block)
 
 
-def test_npz_member_bomb_is_refused_at_its_first_chunk(tmp_path, schema):
-    # a member expanding to 64 MiB of zeros (a 64 KiB .npz): all-zero rows repeat expert 0
-    t = (64 * MiB) // (4 * 4)
-    like = np.lib.stride_tricks.as_strided(np.zeros(1, np.uint8), (t, 4, 4), (0, 0, 0))
+@pytest.mark.parametrize("case", ["zeros", "valid rows", "valid rows, fortran order"])
+def test_npz_member_bomb_is_refused_before_it_is_read(tmp_path, schema, case):
+    # a member expanding to 64 MiB (a .npz of well under 1 MiB): the issue's all-zero
+    # member, and members of valid repeating rows (C and Fortran order) that pass every
+    # row check and were built whole (388 MiB, 768 MiB peaks from < 0.6 MiB files)
+    t = (64 * MiB) // (4 * 4 * 4)
+    like = np.lib.stride_tricks.as_strided(np.zeros(1, np.int32), (t, 4, 4), (0, 0, 0))
+    fill = b"\0" if case == "zeros" else np.arange(4, dtype="<i4").tobytes()
     path = tmp_path / "bomb.npz"
-    _zip_member(path, "a.npy", like, 64 * MiB)
+    _zip_member(path, "a.npy", like, 64 * MiB, fill, fortran="fortran" in case)
     assert path.stat().st_size < MiB
     err, cpu, peak = measure(lambda: list(iter_records("vllm", str(path), schema)))
-    assert isinstance(err, RecordError) and "sample 'a', token 0, layer 1: duplicate" in str(err)
-    assert "capturer was never bound" in str(err)
+    assert isinstance(err, RecordError) and "bomb.npz:a.npy: member declares" in str(err), err
+    assert "beyond the limit of 128 x" in str(err)
     assert peak < 8 * MiB and cpu < 2.0, (peak, cpu)
+    # the same rows stored uncompressed are read (in checked chunks)
+    ok = tmp_path / "ok.npz"
+    rows = np.tile(np.arange(4, dtype=np.int32), (1000, 4, 1))
+    rows[:, 0] = 0                                      # layer 0 is dense
+    np.savez(ok, a=rows)
+    (rec,) = iter_records("vllm", str(ok), schema)
+    assert rec.sample_id == "a" and rec.expert_ids.shape == (1000, 3, 4)
 
 
 def test_bad_ids_report_the_first_without_materialising_all(tmp_path, schema):
@@ -481,3 +493,27 @@ def test_check_refuses_what_sample_ids_leaves_out(schema):
     torn.check()                                           # a torn tail alone is fine
     with pytest.raises(SidecarError, match="torn tail"):
         torn.check(torn_ok=False)
+
+
+# --- kind 8: expansion slack in proportion to the stored bytes ------------------------------
+@pytest.mark.parametrize("mixed", [False, True])
+def test_expansion_slack_is_not_granted_per_section_or_record(mixed):
+    """The attacker's stream: 64 records of 48 one-layer sections of ~30 bytes each, valid
+    rows, valid checksums; with a 64 KiB slack per section it read as 192 MiB from 0.1 MiB
+    (11 s of CPU per MiB). mixed: the record fits the record-level limit (its other
+    sections raw) and the one over-expanding section is refused by its own limit."""
+    from routereplay.schema import RoutingSchema
+    from routereplay.testing import crafted
+    schema = RoutingSchema(48, tuple(range(48)), 8, 128)
+    data = crafted.slack_records(schema, 4 if mixed else 64, mixed=mixed)
+    r = SidecarReader(data)
+    out = []
+    err, cpu, peak = measure(lambda: out.extend(r.records(strict=False)))
+    n = 4 if mixed else 64
+    assert err is None and out == [] and len(r.errors) == n, r.errors[:2]
+    assert "sample 's0'" in r.errors[0]
+    if mixed:
+        assert "beyond the reader's limit of 64 x + min(65536, 64 x) bytes" in r.errors[0]
+    else:
+        assert "beyond the reader's limit of" in r.errors[0], r.errors[0]
+    assert cpu < 0.5 and peak < 8 * MiB, (cpu, peak)

@@ -256,7 +256,8 @@ def _cmd_convert(a: argparse.Namespace) -> int:
     if "://" not in a.input:
         if not os.path.exists(a.input):
             raise RouteReplayError(f"input {a.input} does not exist")
-        if not stat.S_ISREG(os.stat(a.input).st_mode):
+        mode = os.stat(a.input).st_mode
+        if not (stat.S_ISREG(mode) or stat.S_ISDIR(mode)):
             # NOTE: a FIFO or device would block the read (or never end)
             raise RouteReplayError(f"input {a.input} is not a regular file")
     _check_out(a.out, [a.input])

@@ -39,21 +39,23 @@ ARRAY_SECTIONS = {"token_ids": np.dtype("<i4"), "logprobs": np.dtype("<f4")}
 ARRAY_CODECS = ("zstd", "raw")
 
 # NOTE: reader limit (docs/FORMAT.md "Reader limits"): a section of a known codec may
-# decode to at most EXPANSION[codec] x its stored bytes + EXPANSION_SLACK bytes, so that
-# the work and memory a record costs are bounded by its size on disk (a 359-byte section
-# claiming 2^24 rows, or a zstd bomb, is refused before anything is decompressed). Real
-# routing expands 1.4-5x (ctx-zstd up to ~15x with long repeat runs); the writer stores a
-# section that would exceed the limit with the next codec that fits (FALLBACK), so it
-# never writes what readers refuse. ctx-ans gets the lowest factor: it decodes at 5-90 MB/s
-# of ids, ctx-zstd at 60-2000 MB/s.
+# decode to at most EXPANSION[codec] x its stored bytes + min(EXPANSION_SLACK,
+# EXPANSION[codec] x its stored bytes), so that the work and memory a stream costs are
+# bounded by its size on disk (a 359-byte section claiming 2^24 rows, or a zstd bomb, is
+# refused before anything is decompressed). The slack is proportional to the stored bytes:
+# an absolute slack per section (or per record) was granted again for every section of
+# every record, so a stream of many tiny forged sections decoded to 1800x its size (11 s
+# of CPU per MiB). Real routing expands 1.4-5x (ctx-zstd up to ~15x with long repeat
+# runs); the writer stores a section that would exceed the limit with the next codec that
+# fits (FALLBACK), so it never writes what readers refuse: only near-constant routing
+# (over 128x) is stored raw. ctx-ans gets the lowest factor: it decodes at 5-90 MB/s of
+# ids, ctx-zstd at 60-2000 MB/s.
 EXPANSION = {"ctx-ans": 16, "ctx-ans-sorted": 16, "ctx-zstd": 64, "xl-zstd": 64, "zstd-lm": 64,
              "raw-lm": 1, "zstd": 64, "raw": 1}
-EXPANSION_SLACK = 64 << 10             # bytes a section may always decode to
-# NOTE: version 3 adds a record-level limit: a grid record has many sections, and a slack
-# per section would let a forged record of many 9-byte sections claim 64 KiB each. The
-# whole record (ids, token ids, log-probs) decodes to at most RECORD_EXPANSION x its
-# payload + (L_moe + 2) x EXPANSION_SLACK: what a version-2 record of L_moe + 2 sections
-# could, so largest_record_bytes() holds for every version.
+EXPANSION_SLACK = 64 << 10             # the most slack bytes a section gets
+# NOTE: version 3 adds a record-level limit: the whole record (ids, token ids, log-probs)
+# decodes to at most 2 x RECORD_EXPANSION x its payload, so that largest_record_bytes()
+# holds for every version.
 RECORD_EXPANSION = max(EXPANSION.values())
 FALLBACK = ("ctx-zstd", "raw-lm")      # routing codecs a writer falls back to, in order
 SECTION_OVERHEAD = 5                   # bytes of a version-3 section before its data
@@ -76,14 +78,12 @@ def largest_record_bytes(schema: RoutingSchema, stream_bytes: int) -> int:
 
     min(format limit, expansion limit): the format allows ``MAX_TOKENS`` rows of
     ``L_moe x top_k`` ids plus ``MAX_TOKENS + 1`` token ids and log-probs; the expansion
-    limit allows ``max(EXPANSION) x`` the stored bytes plus ``EXPANSION_SLACK`` for each of
-    ``L_moe + 2`` sections (version 1-2: at most that many sections; version 3: the
-    record-level limit).
+    limit allows at most ``2 x max(EXPANSION)`` times the stored bytes (section limit with
+    its proportional slack; version 3 also the record-level limit).
     """
     fmt = MAX_TOKENS * schema.num_moe_layers * schema.top_k * schema.id_dtype.itemsize \
         + 8 * (MAX_TOKENS + 1)
-    exp = max(EXPANSION.values()) * stream_bytes + (schema.num_moe_layers + 2) * EXPANSION_SLACK
-    return min(fmt, exp)
+    return min(fmt, 2 * RECORD_EXPANSION * stream_bytes)
 
 
 def section_fits(codec: str, decoded: int, stored: int) -> bool:
@@ -91,14 +91,13 @@ def section_fits(codec: str, decoded: int, stored: int) -> bool:
     reader's expansion limit (:data:`EXPANSION`); True for codecs without a limit here
     (a reader refuses those by name when asked to decode them)."""
     r = EXPANSION.get(codec)
-    return r is None or decoded <= r * stored + EXPANSION_SLACK
+    return r is None or decoded <= r * stored + min(EXPANSION_SLACK, r * stored)
 
 
 def record_fits(schema: RoutingSchema, decoded: int, payload_len: int) -> bool:
     """Whether a version-3 record of ``payload_len`` bytes that decodes to ``decoded``
     bytes is within the reader's record-level expansion limit (:data:`RECORD_EXPANSION`)."""
-    return decoded <= RECORD_EXPANSION * payload_len \
-        + (schema.num_moe_layers + 2) * EXPANSION_SLACK
+    return decoded <= 2 * RECORD_EXPANSION * payload_len
 
 
 @dataclasses.dataclass(frozen=True)
@@ -606,7 +605,7 @@ def decode_head(head: bytes | memoryview, schema: RoutingSchema, payload_len: in
         if not record_fits(schema, decoded, payload_len):
             raise MetaError(f"record declares {decoded} decoded bytes from a payload of "
                             f"{payload_len} bytes: beyond the reader's limit of "
-                            f"{RECORD_EXPANSION} x + {nl + 2} x {EXPANSION_SLACK} bytes")
+                            f"{2 * RECORD_EXPANSION} x")
     except MetaError as e:
         raise SidecarError("invalid record meta" + (f" for sample {sid!r}" if sid else "")
                            + f": {e}", offset=offset, sample_id=sid) from None
@@ -653,7 +652,7 @@ def open_section(grid: Grid, i: int, raw: memoryview, codecs: tuple[str, ...],
     if not section_fits(codec, decoded, len(data)):
         raise SidecarError(f"{grid.describe(i)} ({codec}) declares {decoded} bytes from {len(data)} "
                            f"stored bytes: beyond the reader's limit of {EXPANSION[codec]} x "
-                           f"+ {EXPANSION_SLACK} bytes")
+                           f"+ min({EXPANSION_SLACK}, {EXPANSION[codec]} x) bytes")
     return codec, data
 
 

@@ -168,7 +168,8 @@ def _validate(meta: dict[str, Any], schema: RoutingSchema, body_len: int) -> Rec
         if itemsize and not section_fits(sec.codec, decoded, sec.length) and not too_big:
             too_big = (f"section {sec.name!r} ({sec.codec}) declares {decoded} bytes from "
                        f"{sec.length} stored bytes: beyond the reader's limit of "
-                       f"{EXPANSION[sec.codec]} x + {EXPANSION_SLACK} bytes")
+                       f"{EXPANSION[sec.codec]} x + min({EXPANSION_SLACK}, "
+                       f"{EXPANSION[sec.codec]} x) bytes")
         if sec.name == "routing":
             ly = sec.moe_layers
             if ly is None or not (0 <= ly[0] < ly[1] <= schema.num_moe_layers):

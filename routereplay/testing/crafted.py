@@ -369,3 +369,25 @@ CASES: dict[str, Callable[[RoutingSchema], bytes]] = {
 
 __all__ = ["CASES", "CODECS_V3", "record", "forged", "split_payload", "join_payload", "reseal",
            "stream", "zstd_bomb"]
+
+
+def slack_records(schema: RoutingSchema, num_records: int = 64, rows: int = 512,
+                  mixed: bool = False) -> bytes:
+    """Version 3: records of one-layer sections, each a ~30-byte zstd-lm frame of a valid
+    row repeated ``rows`` times (checksums valid; every id valid). With an absolute slack per
+    section (64 KiB) and per record, such a stream decoded to ~1800x its size.
+
+    ``mixed``: the first section so coded, the others raw, so that the record as a whole is
+    within the record-level limit and only the section limit can refuse it."""
+    k, nl = schema.top_k, schema.num_moe_layers
+    row = np.arange(k, dtype=schema.id_dtype)
+    ids = np.tile(row, (rows, 1, 1))
+    packed = zstandard.ZstdCompressor(level=19).compress(ids.transpose(1, 0, 2).tobytes())
+    cz, cr = CODECS_V3.index("zstd-lm"), CODECS_V3.index("raw-lm")
+    payloads = []
+    for n in range(num_records):
+        meta = _payload.encode_meta(f"s{n}", rows, token_block=rows, layer_group=1)
+        secs = [(cz, packed)] + [(cr if mixed else cz, ids.tobytes() if mixed else packed)
+                                 for _ in range(nl - 1)]
+        payloads.append(_payload.assemble(meta, secs))
+    return stream(schema, payloads)
