@@ -158,16 +158,23 @@ class RoutingRecord:
                                   f"{lp.dtype} {lp.shape}")
         def is_int(x: Any) -> bool:
             return isinstance(x, (int, np.integer)) and not isinstance(x, bool)
+        # NOTE: spans are token positions of this sequence: [0, seq]. A position beyond it
+        # (a forged or overflowing count, e.g. num_cached_tokens=10**30) would also be
+        # written as a varint longer than readers accept, losing the record.
         for span in self.weight_versions:
             if not (isinstance(span, WeightVersionSpan) and isinstance(span.version, str)
-                    and is_int(span.start) and is_int(span.end) and 0 <= span.start <= span.end):
+                    and is_int(span.start) and is_int(span.end)
+                    and 0 <= span.start <= span.end <= seq):
                 raise RecordError(f"sample {sid!r}: bad weight-version span {span!r} (expected "
-                                  "WeightVersionSpan(version: str, start <= end: int))")
+                                  f"WeightVersionSpan(version: str, 0 <= start <= end <= {seq}),"
+                                  f" token positions of the {seq}-token sequence)")
         for name in ("recomputed", "prefix_cached"):
             for span in getattr(self, name):
                 if not (isinstance(span, (tuple, list)) and len(span) == 2
-                        and all(is_int(x) for x in span) and 0 <= span[0] <= span[1]):
-                    raise RecordError(f"sample {sid!r}: bad {name} span {span!r}")
+                        and all(is_int(x) for x in span) and 0 <= span[0] <= span[1] <= seq):
+                    raise RecordError(f"sample {sid!r}: bad {name} span {span!r} (expected "
+                                      f"0 <= start <= end <= {seq}, token positions of the "
+                                      f"{seq}-token sequence)")
 
     def validate_ids(self, schema: RoutingSchema, layer_ids: Sequence[int] | None = None) -> None:
         """Check ids only: [T, L, top_k] of the schema's dtype, in range, distinct per row.

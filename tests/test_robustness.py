@@ -517,3 +517,25 @@ def test_expansion_slack_is_not_granted_per_section_or_record(mixed):
     else:
         assert "beyond the reader's limit of" in r.errors[0], r.errors[0]
     assert cpu < 0.5 and peak < 8 * MiB, (cpu, peak)
+
+
+# --- writers refuse what readers refuse: spans are positions of the sequence ----------------
+@pytest.mark.parametrize("field,value", [
+    ("prefix_cached", [(0, 2 ** 80)]), ("recomputed", [(2 ** 70, 2 ** 70 + 1)]),
+    ("prefix_cached", [(0, 10 ** 6)]), ("weight_versions", "end 2**75")])
+def test_spans_beyond_the_sequence_are_refused_before_writing(tmp_path, schema, field, value):
+    import dataclasses as dc
+
+    from routereplay.errors import RecordError
+    from routereplay.record import WeightVersionSpan
+    from routereplay.sidecar import SidecarWriter
+    rec = random_record(schema, "x", 6, 1)
+    if field == "weight_versions":
+        value = [WeightVersionSpan("v1", 0, 2 ** 75)]
+    bad = dc.replace(rec, **{field: value})
+    path = tmp_path / "s.rrsc"
+    with SidecarWriter(str(path), schema, background=False) as w:
+        w.write(random_record(schema, "ok", 6, 2))
+        with pytest.raises(RecordError, match=f"sample 'x': bad .*span.*token positions"):
+            w.write(bad)
+    assert SidecarReader(str(path)).sample_ids() == ["ok"]
