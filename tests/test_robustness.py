@@ -539,3 +539,38 @@ def test_spans_beyond_the_sequence_are_refused_before_writing(tmp_path, schema, 
         with pytest.raises(RecordError, match=f"sample 'x': bad .*span.*token positions"):
             w.write(bad)
     assert SidecarReader(str(path)).sample_ids() == ["ok"]
+
+
+# --- engine parts: malformed input is a RecordError naming the sample -----------------------
+def _vllm_parts_cases():
+    import types
+    lp = lambda v: types.SimpleNamespace(logprob=v)                      # noqa: E731
+    wv = lambda v, a, b: types.SimpleNamespace(version=v, start=a, end=b)  # noqa: E731
+    return {
+        "logprobs missing the sampled token": dict(logprobs=[{9: lp(-1.0)}] * 3),
+        "logprob None": dict(logprobs=[{5: lp(None)}, {6: lp(None)}, {7: lp(None)}]),
+        "logprobs as floats": dict(logprobs=[-1.0, -1.0, -1.0]),
+        "weight version start str": dict(weight_versions=[wv("v", "x", 1)]),
+        "weight versions as tuples": dict(weight_versions=[("v", 0, 1)]),
+        "reversed weight-version span": dict(weight_versions=[wv("v", 3, 0)]),
+        "token id 2**40": dict(prompt=[1, 2 ** 40]),
+        "token id str": dict(prompt=[1, "a"]),
+        "ragged routed_experts": dict(routed_experts=[[[0, 1]], [[0, 1], [2, 3]]]),
+        "generated None": dict(generated=None),
+        "num_cached_tokens 10**30": dict(num_cached_tokens=10 ** 30),
+    }
+
+
+@pytest.mark.parametrize("case", list(_vllm_parts_cases()))
+def test_vllm_record_from_parts_malformed_parts(case):
+    from engine_patches.vllm.records import record_from_parts
+    from routereplay.errors import RecordError
+    from routereplay.schema import RoutingSchema
+    s = RoutingSchema(num_hidden_layers=3, moe_layer_ids=(1, 2), top_k=2, num_experts=8)
+    good = np.zeros((4, 3, 2), np.uint8)
+    good[:, 1:] = [0, 1]
+    kw = dict(prompt=[1, 2], generated=[5, 6, 7], routed_experts=good)
+    record_from_parts("x", s, **kw)                               # the good parts are taken
+    kw.update(_vllm_parts_cases()[case])
+    with pytest.raises(RecordError, match="sample 'x'"):
+        record_from_parts("x", s, **kw)

@@ -80,14 +80,18 @@ def record_from_parts(sid: str, schema: RoutingSchema, *, prompt: list[int], gen
     Raises:
         RecordError: naming the sample (routing missing, wrong row count, bad ids).
     """
-    gen = list(generated)
     full = routed_experts
     if full is None:
         raise RecordError(
             f"sample {sid!r}: vLLM returned no routed_experts; start the engine with "
             "--enable-return-routed-experts (LLM(enable_return_routed_experts=True)); an "
             "aborted request also has none")
-    full = np.asarray(full)
+    try:
+        gen, prompt = list(generated), list(prompt)
+        full = np.asarray(full)
+    except (TypeError, ValueError) as e:
+        raise RecordError(f"sample {sid!r}: malformed prompt, generated or routed_experts from "
+                          f"the engine ({type(e).__name__}: {e})"[:500]) from None
     n = len(prompt) + len(gen)
     if full.ndim != 3 or full.shape[0] != n - 1 - start:
         raise RecordError(
@@ -95,15 +99,36 @@ def record_from_parts(sid: str, schema: RoutingSchema, *, prompt: list[int], gen
             f"[{n - 1 - start}, {schema.num_hidden_layers}, {schema.top_k}] for "
             f"{len(prompt)} prompt + {len(gen)} generated tokens, start={start}")
     ids = checked_moe_ids(full, schema, sid, start=start)
-    lp = None
-    if logprobs is not None:
-        lp = np.array([float(d[t].logprob) for d, t in zip(logprobs, gen)], dtype=np.float32)
-    spans = output_spans_to_rows([(str(s.version), int(s.start), int(s.end))
-                                  for s in (weight_versions or [])], len(prompt))
-    rec = RoutingRecord(
-        sample_id=sid, expert_ids=ids, start=start, prompt_len=len(prompt),
-        token_ids=np.asarray(prompt + gen, dtype=np.int32), logprobs=lp,
-        weight_versions=spans, prefix_cached=[(0, num_cached_tokens)] if num_cached_tokens else [],
-        engine=engine)
+    # NOTE: the other parts come from the engine's objects; anything malformed in them is a
+    # RecordError naming the sample and the part, never a foreign exception
+    part = "logprobs"
+    try:
+        lp = None
+        if logprobs is not None:
+            lp = np.array([float(d[t].logprob) for d, t in zip(logprobs, gen)],
+                          dtype=np.float32)
+        part = "weight_versions"
+        out_spans = [(str(s.version), int(s.start), int(s.end)) for s in (weight_versions or [])]
+        for v, a, b in out_spans:
+            if not 0 <= a <= b <= len(gen):
+                raise RecordError(f"sample {sid!r}: weight-version span {v!r} [{a}, {b}) is not "
+                                  f"within the {len(gen)} generated tokens")
+        spans = output_spans_to_rows(out_spans, len(prompt))
+        part = "prompt and generated token ids"
+        tokens = np.asarray(prompt + gen)
+        if tokens.ndim != 1 or tokens.dtype.kind not in "iu" or (tokens.size and (
+                int(tokens.min()) < 0 or int(tokens.max()) >= 1 << 31)):
+            raise RecordError(f"sample {sid!r}: token ids must be integers in [0, 2^31)")
+        part = "num_cached_tokens"
+        cached = int(num_cached_tokens or 0)
+        rec = RoutingRecord(
+            sample_id=sid, expert_ids=ids, start=start, prompt_len=len(prompt),
+            token_ids=tokens.astype(np.int32), logprobs=lp, weight_versions=spans,
+            prefix_cached=[(0, cached)] if cached else [], engine=engine)
+    except RecordError:
+        raise
+    except (KeyError, IndexError, TypeError, ValueError, AttributeError, OverflowError) as e:
+        raise RecordError(f"sample {sid!r}: malformed {part} from the engine "
+                          f"({type(e).__name__}: {e})"[:500]) from None
     rec.validate(schema)
     return rec
