@@ -574,3 +574,30 @@ def test_vllm_record_from_parts_malformed_parts(case):
     kw.update(_vllm_parts_cases()[case])
     with pytest.raises(RecordError, match="sample 'x'"):
         record_from_parts("x", s, **kw)
+
+
+def test_an_index_listing_a_sample_twice_is_not_trusted():
+    """Two frames with id 'a' (writers refuse this) and a valid index listing both: every
+    reader serves the first frame and reports the duplicate, whether it scanned or not."""
+    from routereplay.record import RoutingRecord
+    from routereplay.schema import RoutingSchema
+    from routereplay.sidecar.layout import (KIND_INDEX, KIND_RECORD, encode_frame,
+                                            encode_header, encode_index, encode_trailer)
+    from routereplay.sidecar.payload import encode_record_payload
+    schema = RoutingSchema(2, (0, 1), 2, 8)
+    recs = [RoutingRecord("a", np.tile(np.array(row, np.uint8), (4, 2, 1)))
+            for row in ([0, 1], [6, 7])]
+    data = bytearray(encode_header(schema))
+    entries = []
+    for rec in recs:
+        entries.append(("a", len(data)))
+        data += encode_frame(KIND_RECORD, encode_record_payload(rec, schema))
+    off = len(data)
+    data += encode_frame(KIND_INDEX, encode_index(entries)) + encode_trailer(off)
+    for scan_first in (False, True):
+        r = SidecarReader(bytes(data))
+        if scan_first:
+            r.scan()
+        assert r.read("a").expert_ids[0, 0].tolist() == [0, 1]
+        assert any("lists a sample id twice" in e for e in r.errors)
+        assert any("duplicate sample id 'a'" in e for e in r.errors)

@@ -310,6 +310,13 @@ class SidecarReader:
             self._error(f"index frame at offset {off} is not a valid index; records are found "
                         "by scanning")
             return
+        if len({sid for sid, _ in entries}) != len(entries):
+            # NOTE: writers refuse duplicate ids; an index listing one twice is forged or
+            # corrupt. Scanning finds every frame and reports the duplicate, so every reader
+            # of the stream serves the same (first) frame for an id.
+            self._error(f"index frame at offset {off} lists a sample id twice; records are "
+                        "found by scanning")
+            return
         # NOTE: offsets must point into the frame area; read() also checks that the frame
         # found there holds this sample id (a stale or forged index).
         self._index = [FrameInfo(offset=o, kind=KIND_RECORD, payload_len=-1, sample_id=sid)
