@@ -601,3 +601,25 @@ def test_an_index_listing_a_sample_twice_is_not_trusted():
         assert r.read("a").expert_ids[0, 0].tolist() == [0, 1]
         assert any("lists a sample id twice" in e for e in r.errors)
         assert any("duplicate sample id 'a'" in e for e in r.errors)
+
+
+def test_a_live_stream_rewritten_in_place_is_an_error(tmp_path, schema):
+    """A restarted job rewrites the same path ('wb': same inode, same schema, same header
+    geometry): refresh() must not serve the new run's records under the old metas."""
+    import dataclasses as dc
+
+    from routereplay.record import WeightVersionSpan
+    from routereplay.sidecar import SidecarWriter
+    path = str(tmp_path / "live.rrsc")
+    w = SidecarWriter(path, schema, codec="raw-lm", background=False)
+    rec = random_record(schema, "s0", 10, 1)
+    w.write(dc.replace(rec, weight_versions=[WeightVersionSpan("policy-v1", 0, 10)]))
+    r = SidecarReader(path)
+    assert r.read("s0").weight_versions[0].version == "policy-v1"
+    w2 = SidecarWriter(path, schema, codec="raw-lm", background=False)
+    w2.write(dc.replace(rec, weight_versions=[WeightVersionSpan("policy-v2", 0, 10)]))
+    w2.write(random_record(schema, "s1", 10, 2))
+    w2.flush()
+    with pytest.raises(SidecarError, match="header changed.*rewritten in place"):
+        r.refresh()
+    w2.close()

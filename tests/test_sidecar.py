@@ -533,7 +533,7 @@ def test_v3_per_record_overhead_is_36_plus_twice_the_id(schema):
     recs = [RoutingRecord(f"id{i:03d}", random_record(schema, "x", 100, i).expert_ids)
             for i in range(20)]
     data = write_records(None, schema, recs).getvalue()
-    header = len(encode_header(schema))
+    header = len(encode_header(schema, stream_id="0" * 16))      # the writer's stream_id
     coded = sum(len(codec.encode(x.expert_ids, codec.DEFAULT_CODEC, schema.num_experts))
                 for x in recs)
     stream_fixed = header + 24 + 1 + 16             # index frame header, count, trailer

@@ -133,8 +133,10 @@ def encode_header(schema: RoutingSchema, codec: str | None = None,
                   version: int = FORMAT_VERSION, token_block: int = DEFAULT_TOKEN_BLOCK,
                   one_section_bytes: int = DEFAULT_ONE_SECTION_BYTES,
                   codecs: tuple[str, ...] | None = None,
-                  min_section_bytes: int = DEFAULT_MIN_SECTION_BYTES) -> bytes:
-    """Stream header bytes for ``schema`` (FORMAT.md "Header").
+                  min_section_bytes: int = DEFAULT_MIN_SECTION_BYTES,
+                  stream_id: str | None = None) -> bytes:
+    """Stream header bytes for ``schema`` (FORMAT.md "Header"); ``stream_id``: a random id
+    (hex) that tells a stream from another written later under the same path.
 
     Args:
         codec: the writer's default routing codec (default: ``routereplay.codec``'s
@@ -160,6 +162,8 @@ def encode_header(schema: RoutingSchema, codec: str | None = None,
                     codecs=list(codecs if codecs is not None else codec_table(codec)))
     if extra:
         meta["extra"] = extra
+    if stream_id is not None:
+        meta["stream_id"] = stream_id
     js = json.dumps(meta, sort_keys=True, separators=(",", ":")).encode()
     return _HEADER_FIXED.pack(MAGIC, version, 0, len(js)) + js + struct.pack("<I", crc32(js))
 

@@ -580,14 +580,16 @@ class SidecarReader:
         if size < self.size:
             raise SidecarError(f"{self.name}: the stream shrank from {self.size} to {size} "
                                "bytes since this reader opened it (truncated or rewritten)")
+        if self._read(0, self._data_start) != self._header_bytes:
+            # NOTE: writers put a random stream_id in the header, so a stream rewritten in
+            # place (same inode, same schema) has a different header
+            raise SidecarError(f"{self.name}: the stream's header changed since this reader "
+                               "opened it (rewritten in place)")
         if size == self.size:
             return False
         if self.complete:
             raise SidecarError(f"{self.name}: the stream grew after its writer closed it "
                                f"({self.size} -> {size} bytes): it was rewritten")
-        if self._read(0, self._data_start) != self._header_bytes:
-            raise SidecarError(f"{self.name}: the stream's header changed since this reader "
-                               "opened it (rewritten in place)")
         self.size = size
         self._load_index()
         if self._frames is not None or self._index is None:

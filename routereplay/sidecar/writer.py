@@ -8,6 +8,7 @@ from __future__ import annotations
 import io
 import json
 import os
+import secrets
 import queue
 import threading
 from typing import Any, BinaryIO, Sequence
@@ -155,7 +156,8 @@ class SidecarWriter:
             header = encode_header(schema, codec, extra_header, layer_group, column_order,
                                    version=format_version, token_block=token_block,
                                    one_section_bytes=one_section_bytes, codecs=self._codecs,
-                                   min_section_bytes=min_section_bytes)
+                                   min_section_bytes=min_section_bytes,
+                                   stream_id=secrets.token_hex(8))
         except (TypeError, ValueError) as e:
             raise ConfigError(f"extra_header is not JSON-serialisable: {e}") from None
         if len(header) - 20 > MAX_JSON_BYTES:
