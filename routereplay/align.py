@@ -496,18 +496,27 @@ def tokens_by_sample(layout: Layout, tokens: Any) -> list[np.ndarray]:
         tokens: host integer ids laid out as the layout says: bshd ``[b, seq_len]``
             (a [b, s'] tensor with s' >= the columns used is accepted); THD ``[1, t]`` or
             ``[t]``; or a sequence of ``b`` 1-D arrays, sample j's ids in position order
-            (``lengths[j]`` of them).
+            (``lengths[j]`` of them; packed layouts and bshd without padding only).
     Returns:
         int64 [lengths[j]] per sample.
     Raises:
         AlignmentError: ``tokens`` do not match the layout (shape, count, non-integer);
-            a tensor on a device (see :func:`host_array`).
+            per-sample sequences for a padded bshd layout (their placement could not be
+            checked); a tensor on a device (see :func:`host_array`).
     """
     b = layout.batch_size
     if isinstance(tokens, (list, tuple)):
         if len(tokens) != b:
             raise AlignmentError(f"tokens: {len(tokens)} sequences for a microbatch of {b} "
                                  "samples")
+        if not layout.packed and any(n < layout.seq_len for n in layout.lengths):
+            # NOTE: per-sample ids say nothing of where the samples sit in a padded [b, s]
+            # batch: a layout with the wrong padding side would pass the check and replay
+            # onto the wrong tokens. The batch as fed to the model checks both.
+            raise AlignmentError(
+                "tokens: per-sample sequences cannot check a padded bshd layout (where each "
+                "sample sits in its row); pass the microbatch's input ids [b, s] as the model "
+                "gets them (or build it with Microbatch.from_attention_mask(..., input_ids=))")
         out = [host_array(t, f"tokens of sample #{j}") for j, t in enumerate(tokens)]
         for j, (t, n) in enumerate(zip(out, layout.lengths)):
             if t.ndim != 1 or t.shape[0] != n or (t.size and t.dtype.kind not in "iu"):

@@ -204,8 +204,10 @@ m0, m1 = one_each.microbatches
 t0 = batch_tensors(m0, one_each.seq_len)
 bad_tokens = m1.records[0].token_ids.copy()
 bad_tokens[3] += 1
+bad_batch = np.zeros((1, m1.layout.seq_len), np.int64)     # right padding: row from column 0
+bad_batch[0, :len(bad_tokens)] = bad_tokens
 bad_mbs = {0: m0.microbatch(), 1: Microbatch(sample_ids=m1.sample_ids, layout=m1.layout,
-                                             tokens=[bad_tokens])}
+                                             tokens=bad_batch)}
 res["prefetch_errors"] = {}
 for ahead in (0, 2):
     rp = RouterReplayer(model, schema, prefetch=ahead)

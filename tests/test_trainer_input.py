@@ -186,7 +186,7 @@ def test_token_check_names_sample_and_first_differing_position(schema):
                            lambda j: src.token_ids(ids[j]))
     # per-sample sequences; a trainer sequence longer than the record
     longer = [np.append(t, 9) for t in toks]
-    lay2 = dataclasses.replace(lay, padding="right", offsets=None, lengths=(6, 9, 4), seq_len=9)
+    lay2 = align.Layout.packed_from_lengths([6, 9, 4])
     with pytest.raises(AlignmentError, match=r"sample 'a', token position 5: the trainer has "
                                              "6 tokens, the record ends at 5"):
         align.check_tokens(lay2, align.tokens_by_sample(lay2, longer), ids,
@@ -196,6 +196,13 @@ def test_token_check_names_sample_and_first_differing_position(schema):
         align.check_tokens(lay, toks, ids, lambda j: source_token_ids(no_tok, ids[j]))
     with pytest.raises(AlignmentError, match=r"tokens \(3, 7\) do not match"):
         align.tokens_by_sample(lay, input_ids[:, :7])
+    # per-sample sequences cannot say where the samples sit in a padded batch: a layout
+    # with the wrong padding side would pass (the framework review's silent 5.5-nat replay)
+    wrong_side = align.Layout(lengths=lay.lengths, seq_len=lay.seq_len)      # right padding
+    with pytest.raises(AlignmentError, match="per-sample sequences cannot check a padded"):
+        align.tokens_by_sample(wrong_side, toks)
+    with pytest.raises(AlignmentError, match="per-sample sequences cannot check a padded"):
+        align.tokens_by_sample(lay, toks)
 
 
 def test_token_row_source_from_megatron_lists_rekeys_by_sample(schema):

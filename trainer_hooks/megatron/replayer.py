@@ -118,8 +118,9 @@ class Microbatch:
             token ids before replay (a mismatch is an error naming the sample and the first
             differing position): the input ids as the layout lays them out (bshd
             ``[b, s]``, THD ``[1, t]``; numpy or a CPU tensor, i.e. the batch before it is
-            moved to the device) or one 1-D array per sample; kept as one int64 array per
-            sample (:func:`routereplay.align.tokens_by_sample`).
+            moved to the device) or, for packed layouts and bshd without padding, one 1-D
+            array per sample; kept as one int64 array per sample
+            (:func:`routereplay.align.tokens_by_sample`).
     Raises:
         AlignmentError: sample ids that are a string or do not match the layout's sample
             count; tokens that do not match the layout.
@@ -164,7 +165,9 @@ class Microbatch:
             if ids.shape != mask.shape:
                 raise AlignmentError(f"input_ids {tuple(ids.shape)} and attention_mask "
                                      f"{tuple(mask.shape)} differ in shape")
-            tokens = [row[m != 0] for row, m in zip(ids, mask)]
+            # NOTE: bshd: the batch itself, so that the check covers where each sample
+            # sits; packed: the rows' tokens in order (the layout packs them as the mask says)
+            tokens = [row[m != 0] for row, m in zip(ids, mask)] if packed else ids
         return cls(sample_ids=tuple(sample_ids), layout=layout, tokens=tokens)
 
 
