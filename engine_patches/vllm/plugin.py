@@ -104,7 +104,11 @@ def install(dest: str, *, reference: bool = False, codec: str | None = None,
         codec: routing codec (default: the writer's, ``xl-zstd``).
         schema: the model's RoutingSchema, for an engine built before this call (otherwise
             taken from the next engine's config).
-        weight_version: label of the first stream (default: the first record's version).
+        weight_version: label of the first stream until its first record: records carry
+            the engine's weight version (vLLM's is ``default`` until one is set), and a
+            record of another version opens that version's stream. Set the first version
+            on the engine (``llm.update_weight_version(v)``, or
+            ``WeightSync(llm, initial_version=v)``) to have records labelled with it.
     Raises:
         ImportError: unsupported vLLM (names the version found and the versions supported).
         RouteReplayError: a bad destination or codec (at start-up, never later).
