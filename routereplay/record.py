@@ -195,7 +195,11 @@ class RoutingRecord:
                 f"sample {sid!r}: ids shape {tuple(ids.shape)} does not match the schema "
                 f"[T, L_moe={len(layer_ids)}, top_k={schema.top_k}]")
         if ids.dtype != schema.id_dtype:
-            raise RecordError(f"sample {sid!r}: ids dtype {ids.dtype} != schema {schema.id_dtype}")
+            raise RecordError(
+                f"sample {sid!r}: ids dtype {ids.dtype} != schema {schema.id_dtype} (engine "
+                "arrays: narrow them with routereplay.record.checked_moe_ids(arr, schema, "
+                "sample_id), which checks the range and drops dense layers; a plain astype "
+                "would wrap out-of-range ids)")
         first_bad_row(ids, schema, self.sample_id, start=self.start, layer_ids=layer_ids)
 
     def meta(self) -> dict[str, Any]:

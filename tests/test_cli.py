@@ -330,3 +330,17 @@ def test_export_of_a_corrupt_listed_sample_names_stream_and_sample(tmp_path, sch
     p = _cli(["export", str(sc), "--sample", "r1", "--out", str(tmp_path / "x.npy")])
     assert p.returncode == 1 and "is not in" not in p.stderr
     assert "s.rrsc" in p.stderr and "'r1'" in p.stderr and "offset" in p.stderr
+
+
+def test_inspect_reports_routing_bits_apart_from_the_whole_file(tmp_path, schema):
+    from routereplay.sidecar import SidecarReader
+    sc = tmp_path / "s.rrsc"
+    recs = [random_record(schema, f"s{i}", 40, i) for i in range(3)]
+    write_records(str(sc), schema, recs)
+    p = _cli(["inspect", str(sc), "--json"])
+    out = json.loads(p.stdout)
+    rows = sum(r.num_tokens for r in recs) * schema.num_moe_layers
+    with SidecarReader(str(sc)) as r:
+        routing = sum(r.record_bytes(x.sample_id).routing for x in recs)
+    assert out["routing_bits_per_token_layer"] == 8 * routing / rows
+    assert out["routing_bits_per_token_layer"] < out["bits_per_token_layer"]

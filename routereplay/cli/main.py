@@ -111,7 +111,8 @@ def _open(paths: list[str]):
 def _cmd_inspect(a: argparse.Namespace) -> int:
     from routereplay.sidecar import MultiSidecarReader
     out: dict[str, Any] = {"num_records": 0, "num_tokens": 0, "bytes": 0,
-                           "bits_per_token_layer": None, "complete": False, "errors": [],
+                           "bits_per_token_layer": None, "routing_bits_per_token_layer": None,
+                           "complete": False, "errors": [],
                            "records": []}
     try:
         r = _open(a.sidecar)
@@ -123,12 +124,17 @@ def _cmd_inspect(a: argparse.Namespace) -> int:
         multi = isinstance(r, MultiSidecarReader)
         schema = r.schema
         streams = []
+        routing_bytes = 0
         for rd in _progress(readers, a, desc="scan", unit="stream"):
             n0 = len(out["records"])
             for fi in rd.scan():
                 if fi.meta is None:
                     continue
                 m = fi.meta
+                try:
+                    routing_bytes += rd.record_bytes(m.sample_id).routing
+                except RouteReplayError as e:
+                    out["errors"].append(f"{rd.name}: {e}")
                 out["records"].append({
                     "sample_id": m.sample_id, "num_tokens": m.num_tokens,
                     "versions": sorted(set(m.versions())), **({"stream": rd.name} if multi else {})})
@@ -157,6 +163,7 @@ def _cmd_inspect(a: argparse.Namespace) -> int:
         out["num_tokens"] = sum(x["num_tokens"] for x in out["records"])
         rows = out["num_tokens"] * schema.num_moe_layers
         out["bits_per_token_layer"] = 8.0 * r.size / rows if rows else None
+        out["routing_bits_per_token_layer"] = 8.0 * routing_bytes / rows if rows else None
         out["schema"] = schema.to_dict()
     return _emit_inspect(out, a.json, 1 if out["errors"] else 0)
 
@@ -168,8 +175,9 @@ def _emit_inspect(out: dict, as_json: bool, rc: int) -> int:
         return rc
     print(f"records {out['num_records']}, tokens {out['num_tokens']}, "
           f"MoE layers {out.get('num_layers', '?')}, bytes {out['bytes']}"
-          + (f", {out['bits_per_token_layer']:.3f} bits per token-layer"
-             if out["bits_per_token_layer"] else ""))
+          + (f", {out['bits_per_token_layer']:.3f} bits per token-layer (whole file: token "
+             f"ids, log-probs and framing included), {out['routing_bits_per_token_layer']:.3f} "
+             "in routing sections" if out["bits_per_token_layer"] else ""))
     if "codec" in out:
         print(f"format v{out['format_version']}, codec {out['codec']}, column order "
               f"{out['column_order']}, weight versions {out['versions']}"

@@ -20,3 +20,7 @@ def transformers_version() -> str:
 
 
 TRANSFORMERS_VERSION = transformers_version()
+
+from trainer_hooks.hf.replay import hf_replay, replay_ids, token_logprobs  # noqa: E402
+
+__all__ = ["hf_replay", "replay_ids", "token_logprobs", "TRANSFORMERS_VERSION", "SUPPORTED"]
