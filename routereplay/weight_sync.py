@@ -161,7 +161,7 @@ class SyncReport:
     Attributes:
         version: the new weight version.
         mode: the pause mode ("none" for an after-update step without a pause).
-        seconds: wall time per step ("pause", "update", "eplb", "reset", "version",
+        seconds: wall time per step ("pause", "update", "reprepack", "eplb", "reset", "version",
             "rotate", "resume"; the steps that ran).
         calls: the engine calls or HTTP endpoints made, in order.
         prefix_cache_reset: False when the prefix cache could not be reset (kept requests

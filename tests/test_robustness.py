@@ -623,3 +623,14 @@ def test_a_live_stream_rewritten_in_place_is_an_error(tmp_path, schema):
     with pytest.raises(SidecarError, match="header changed.*rewritten in place"):
         r.refresh()
     w2.close()
+
+
+def test_weight_sync_without_our_worker_methods_names_the_fix():
+    """after_weight_update on an engine built without routereplay's worker extension (the
+    framework review's natural mistake): the error names the step and the fix."""
+    from engine_patches.vllm.weight_sync import _failed
+    e = AttributeError("'CPUWorker' object has no attribute 'routereplay_reprepack_cpu_moe'")
+    msg = str(_failed("step-1", "reprepack", e, paused=False))
+    assert "failed at step 'reprepack'" in msg
+    assert "worker_extension_cls=engine_patches.vllm.worker_extension.WORKER_EXTENSION" in msg
+    assert "with_routereplay(YourExtension)" in msg and "stale packed weights" in msg

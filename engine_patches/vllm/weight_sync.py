@@ -267,7 +267,7 @@ def _after_update(engine: Any, version: str, layers: list[int] | None, rep: Sync
     """What must follow any weight update, as engine calls ``(step, method, args, kwargs)``
     (a generator that receives each call's result)."""
     if needs_cpu_moe_reprepack() and layers != []:
-        rep.moe_reprepacked = sum((yield "update", "collective_rpc",
+        rep.moe_reprepacked = sum((yield "reprepack", "collective_rpc",
                                    ("routereplay_reprepack_cpu_moe",), {"args": (layers,)}))
     if _eplb_on(engine) and layers != []:
         rep.eplb_layers_refreshed = sum((yield "eplb", "collective_rpc",
@@ -339,8 +339,16 @@ def _failed(version: str, step: str | None, e: Exception, *, paused: bool,
              " The engine was resumed." if resumed else "")
     if isinstance(e, WeightSyncError):
         return WeightSyncError(f"{e}.{where}")
+    hint = ""
+    if "routereplay_" in str(e) and ("attribute" in str(e) or "not found" in str(e)):
+        # NOTE: the natural mistake: an engine built without routereplay's worker methods
+        hint = (" The engine's workers lack routereplay's methods: build it with "
+                "worker_extension_cls=engine_patches.vllm.worker_extension.WORKER_EXTENSION, "
+                "or with_routereplay(YourExtension) if you set your own."
+                + (" Until re-packed, the CPU MoE layers compute with stale packed weights."
+                   if step == "reprepack" else ""))
     return WeightSyncError(f"weight sync to {version!r} failed at step {step!r}: "
-                           f"{type(e).__name__}: {e}.{where}")
+                           f"{type(e).__name__}: {e}.{hint}{where}")
 
 
 def _drive(engine: Any, run: _Run) -> SyncReport:
