@@ -634,3 +634,13 @@ def test_weight_sync_without_our_worker_methods_names_the_fix():
     assert "failed at step 'reprepack'" in msg
     assert "worker_extension_cls=engine_patches.vllm.worker_extension.WORKER_EXTENSION" in msg
     assert "with_routereplay(YourExtension)" in msg and "stale packed weights" in msg
+
+
+def test_format_2_refuses_ids_it_cannot_round_trip(schema):
+    from routereplay.errors import RecordError
+    from routereplay.sidecar import write_records
+    rec = random_record(schema, "\ud83d\ude00", 5, 1)            # two lone surrogates
+    with pytest.raises(RecordError, match="lone surrogate"):
+        write_records(None, schema, [rec], format_version=2, background=False)
+    data = write_records(None, schema, [rec], background=False).getvalue()     # format 3
+    assert SidecarReader(data).sample_ids() == ["\ud83d\ude00"]

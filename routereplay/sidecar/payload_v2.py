@@ -43,8 +43,14 @@ def encode_payload_v2(record: RoutingRecord, schema: RoutingSchema, codec: str,
     (:func:`section_fits`) is stored with the next codec of :data:`FALLBACK` that fits.
 
     Raises:
-        RecordError: the meta JSON exceeds the reader's limit (``MAX_JSON_BYTES``).
+        RecordError: the meta JSON exceeds the reader's limit (``MAX_JSON_BYTES``); a
+            sample id or weight version holding a lone surrogate (JSON joins an escaped
+            pair into another character: it would be read back as another id).
     """
+    for text in [record.sample_id] + [str(w.version) for w in record.weight_versions]:
+        if any(0xD800 <= ord(c) <= 0xDFFF for c in text):
+            raise RecordError(f"sample {record.sample_id!r}: {text!r} holds a lone surrogate, "
+                              "which format 2's JSON meta does not round-trip (format 3 does)")
     sections: list[list[Any]] = []
     blobs: list[bytes] = []
     ids = np.sort(record.expert_ids, axis=-1) if column_order == "sorted" else record.expert_ids
