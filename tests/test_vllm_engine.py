@@ -100,7 +100,11 @@ def test_caller_owned_sample_ids_never_renamed(run):
     assert {"uid-A", "uid-B@1", "after-bad-source", "after-distributed", "own-stale"} <= set(plug)
     assert not [k for k in plug if "~" in k]
     # the same uid again in the same stream: refused (logged naming both requests)
-    assert res["duplicates_after_reuse"] == 1 == st["duplicates"]
+    assert res["duplicates_after_reuse"] == 1
+    # ... and in the next stream of the same version (refused at write time, not by the
+    # trainer's multi-stream reader a step later)
+    assert res["duplicates_after_rotation"] == 2 == st["duplicates"]
+    assert res["rotated_after_duplicate"] is None
     first = np.random.default_rng(40).integers(3, 500, 18).tolist()     # uid-A's first prompt
     assert plug["uid-A"][0].token_ids[:18].tolist() == first
     # rotation on request returned the closed stream; a second one had nothing to close

@@ -150,6 +150,11 @@ def part_capture_api(llm, sync, v2, stale, schema, out) -> dict:
     # 3. rotation on request: the open stream is closed (indexed), the next opens a new one
     res["rotated"] = plugin.rotate()
     res["rotated_again"] = plugin.rotate()             # nothing written since: no empty stream
+    # the same uid in the next stream of the same version: still refused (a trainer reads a
+    # version's streams as one)
+    llm.generate(p[2:], sp(routereplay_sample_id="uid-A"), use_tqdm=False)
+    res["duplicates_after_rotation"] = plugin.stats()["duplicates"]
+    res["rotated_after_duplicate"] = plugin.rotate()   # the refused record opened no stream
     # 4. sources are checked before the pause; the engine is never paused for them
     errors = {}
     for name, make in (("not_a_source", lambda: sync.sync("not a source", "v9")),

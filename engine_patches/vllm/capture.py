@@ -93,7 +93,7 @@ class Streamer:
         self.versions_done: set[str] = set()
         self.records = 0
         self.closed: list[StreamInfo] = []
-        self.keys: dict[str, str] = {}          # key -> request id, in the open stream
+        self.keys: dict[str, str] = {}          # key -> request id, in this version's streams
         self.counts = {"written": 0, "missing": 0, "aborted": 0, "duplicates": 0, "errors": 0}
         self.seconds = 0.0
         self.requests: "weakref.WeakKeyDictionary[Any, _RequestInfo]" = weakref.WeakKeyDictionary()
@@ -157,10 +157,12 @@ class Streamer:
                 if self.version is not None:
                     self.versions_done.add(self.version)
                 self.writer, self.path, self.records = None, None, 0
-                self.keys = {}
                 self.seq += 1
-            if weight_version is not None:
+            if weight_version is not None and str(weight_version) != self.version:
                 self.version = str(weight_version)
+                # NOTE: sample ids are unique per weight version, over all its streams (a
+                # trainer reads a version's streams as one): only a new version forgets them
+                self.keys = {}
             return closed
 
     def on_version(self, version: str) -> None:
