@@ -127,8 +127,10 @@ def checked_ids(ids: object, schema: RoutingSchema, sample_id: str, *, start: in
         i = int(np.argmax(dup))
         if dup[i]:
             t, lyr = (int(x) for x in np.unravel_index(i, out.shape[:2]))
-            hint = (" (all-zero row: the capturer was never bound, or a dense layer was read "
-                    "as MoE)" if not out[t, lyr].any() else "")
+            hint = (" (all-zero row: the capturer was never bound, a dense layer was read "
+                    "as MoE, or a row without routing was not masked out: pass "
+                    "routing_mask= for batches whose prompt rows carry no routing)"
+                    if not out[t, lyr].any() else "")
             raise RecordError(f"{where(t, lyr)}: duplicate expert ids {out[t, lyr].tolist()} "
                               f"in one top-k row{hint}")
     return out

@@ -156,6 +156,9 @@ class Microbatch:
             attention_mask: host [b, s] 0/1 or bool.
             input_ids: optional host int [b, s]; checked against the records' token ids.
         """
+        if isinstance(sample_ids, (str, bytes)):
+            raise AlignmentError("Microbatch.from_attention_mask: sample_ids must be a "
+                                 "sequence of ids (one per row), not a string")
         layout = align.Layout.from_attention_mask(attention_mask, packed=packed,
                                                   multiple=multiple)
         tokens = None
