@@ -223,6 +223,9 @@ def _check_out(out: str, inputs: list[str], option: str = "--out") -> None:
         return
     if os.path.isdir(out):
         raise UsageError(f"{option} {out} is a folder: give a file path")
+    parent = os.path.dirname(os.path.abspath(out))
+    if not os.path.isdir(parent):
+        raise UsageError(f"{option} {out}: its folder {parent} does not exist")
     for src in _input_files(inputs):
         for target in (out, out + ".partial"):
             if os.path.exists(target) and os.path.samefile(target, src):
