@@ -160,7 +160,8 @@ def test_weight_sync_never_serves_old_routing_from_the_prefix_cache(run, tiny_mo
     for rep, v in zip(res["sync_reports"], ("v2", "v3")):
         assert rep["version"] == v and rep["prefix_cache_reset"] and rep["moe_reprepacked"] == 3
         # EPLB is off: no refresh call, so no worker method of ours is needed for it
-        assert set(rep["seconds"]) == {"pause", "update", "reset", "version", "resume"}
+        assert set(rep["seconds"]) == {"pause", "update", "reprepack", "reset", "version",
+                                       "resume"}
         assert rep["stream_closed"] and rep["eplb_layers_refreshed"] == 0
 
 
