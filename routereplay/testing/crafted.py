@@ -391,3 +391,7 @@ def slack_records(schema: RoutingSchema, num_records: int = 64, rows: int = 512,
                                  for _ in range(nl - 1)]
         payloads.append(_payload.assemble(meta, secs))
     return stream(schema, payloads)
+
+# NOTE: after CASES: the attacker review's stream (300 records of 48 tiny sections at the
+# expansion limit; decoded to ~1800x its size while the slack was absolute)
+CASES["tiny sections at the expansion limit"] = lambda schema: slack_records(schema, 300)
