@@ -21,6 +21,18 @@ def test_demo_rejects_unmapped_model_type_before_rollout(tmp_path):
     assert p.returncode == 1 and "model_type 'mixtral'" in p.stderr
 
 
+def test_demo_rejects_a_layout_the_model_cannot_split_before_rollout(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps(
+        {"model_type": "qwen3_moe", "num_hidden_layers": 4, "num_experts": 16,
+         "num_experts_per_tok": 4, "num_attention_heads": 4, "num_key_value_heads": 2}))
+    for spec, want in (("tp=3", "tp=3 must divide the model's num_attention_heads (4)"),
+                       ("ep=3,dp=3", "ep=3 must divide the model's num_experts (16)"),
+                       ("pp=3", "pp x vpp=3 must divide the model's num_hidden_layers (4)")):
+        p = run_py(["-m", "routereplay.cli", "demo", "--model", str(tmp_path),
+                    "--trainer-parallel", spec], timeout=60)
+        assert p.returncode != 0 and want in p.stderr, (spec, p.stderr)
+
+
 def test_inspect_json_and_corruption(tmp_path, schema):
     path = tmp_path / "s.rrsc"
     write_records(str(path), schema, [random_record(schema, f"r{i}", 20, i) for i in range(3)])

@@ -78,7 +78,8 @@ def run_demo(cfg: DemoConfig) -> dict[str, Any]:
         prompts = demo_prompts(cfg.num_prompts)
     schema = RoutingSchema.from_hf_config(model)     # clear error for a model without MoE
     with open(os.path.join(model, "config.json")) as f:
-        model_type = json.load(f).get("model_type")
+        model_config = json.load(f)
+    model_type = model_config.get("model_type")
     if model_type not in TRAINER_MODEL_TYPES:
         # NOTE: fail before the (minutes-long) rollout, not after it.
         raise DemoError(f"model_type {model_type!r} of {model}: the trainer side maps "
@@ -87,6 +88,7 @@ def run_demo(cfg: DemoConfig) -> dict[str, Any]:
     # NOTE: a bad layout fails here, before the (minutes-long) rollout.
     from trainer_hooks.megatron.harness.parallel import ParallelSpec   # lazy: demo only
     layout = ParallelSpec.parse(cfg.trainer_parallel)
+    layout.check_model(model_config)
 
     work = cfg.workdir or tempfile.mkdtemp(prefix="routereplay-demo-")
     os.makedirs(work, exist_ok=True)

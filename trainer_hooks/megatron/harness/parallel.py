@@ -70,6 +70,26 @@ class ParallelSpec:
                 "zig-zag token split is handled by routereplay.align and tested against "
                 "megatron-core's get_batch_on_this_cp_rank.")
 
+    def check_model(self, config: dict[str, Any]) -> None:
+        """Refuse a layout the model cannot be split into (megatron-core would fail only in
+        the trainer ranks, after a minutes-long rollout): ``tp`` must divide the attention
+        and key-value heads, ``ep`` the routed experts, ``pp`` x ``vpp`` the decoder layers.
+
+        Args:
+            config: the HF ``config.json`` as a dict (``text_config`` nesting read).
+        Raises:
+            SchemaError: naming the size and the config key.
+        """
+        cfg = config.get("text_config", config)
+        checks = [("tp", self.tp, "num_attention_heads"), ("tp", self.tp, "num_key_value_heads"),
+                  ("ep", self.ep, "num_experts"), ("ep", self.ep, "num_local_experts"),
+                  ("pp x vpp", self.pp * (self.vpp or 1), "num_hidden_layers")]
+        for name, size, key in checks:
+            n = cfg.get(key)
+            if isinstance(n, int) and n % size:
+                raise SchemaError(f"parallel spec: {name}={size} must divide the model's "
+                                  f"{key} ({n})")
+
     @property
     def world_size(self) -> int:
         return self.tp * self.pp * self.cp * self.dp
