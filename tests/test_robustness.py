@@ -621,6 +621,8 @@ def test_a_live_stream_rewritten_in_place_is_an_error(tmp_path, schema):
     w2.write(random_record(schema, "s1", 10, 2))
     w2.flush()
     with pytest.raises(SidecarError, match="header changed.*rewritten in place"):
+        r.read("s0")                    # a known id: the reader checks before serving it
+    with pytest.raises(SidecarError, match="header changed.*rewritten in place"):
         r.refresh()
     w2.close()
 

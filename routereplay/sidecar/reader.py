@@ -559,15 +559,14 @@ class SidecarReader:
                                + (f" (and {more} more problems)" if more > 0 else ""))
 
     # -- live streams
-    def refresh(self) -> bool:
-        """Pick up what a writer appended since the last scan (a live stream), scanning only
-        the new bytes. Returns True when the stream grew.
+    def _check_unchanged(self, path: bool = True) -> int:
+        """The stream's current size, after checking it is still the stream this reader
+        opened: not shrunk, same header, and (``path``) still the file at its path.
 
         Raises:
-            SidecarError: the stream was replaced under its path (rotated, rewritten), shrank,
-                or changed after it was closed; naming the stream. Reopen it.
+            SidecarError: replaced, shrunk or rewritten in place, naming the stream.
         """
-        if self._path is not None:
+        if path and self._path is not None:
             try:
                 st = os.stat(self._path)
             except OSError:
@@ -585,6 +584,17 @@ class SidecarReader:
             # place (same inode, same schema) has a different header
             raise SidecarError(f"{self.name}: the stream's header changed since this reader "
                                "opened it (rewritten in place)")
+        return size
+
+    def refresh(self) -> bool:
+        """Pick up what a writer appended since the last scan (a live stream), scanning only
+        the new bytes. Returns True when the stream grew.
+
+        Raises:
+            SidecarError: the stream was replaced under its path (rotated, rewritten), shrank,
+                or changed after it was closed; naming the stream. Reopen it.
+        """
+        size = self._check_unchanged()
         if size == self.size:
             return False
         if self.complete:
@@ -621,6 +631,11 @@ class SidecarReader:
     def _locate(self, sample_id: str) -> FrameInfo:
         fi = self._by_id.get(sample_id)
         if fi is not None:
+            if not self.complete and self._path is not None:
+                # NOTE: a live stream may be rewritten in place under a reader that already
+                # knows the id: one small read of the header before serving it (a stream
+                # replaced by another file at its path still reads from the open file)
+                self._check_unchanged(path=False)
             return fi
         if self._frames is None and not (self.complete and self._index is not None):
             self.scan()
