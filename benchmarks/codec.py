@@ -210,20 +210,32 @@ def main():
     print_records_by_length(a.trained)
 
 
-def print_grid(tokens=2048, layers=8):
-    """ctx-zstd / zstd-19 sizes over a grid of E, top_k, skew and repeat probability
-    (records of ``tokens`` x ``layers``); prints the largest ratios."""
-    rows = []
-    for e in (3, 4, 5, 8, 11, 12, 14, 16, 17, 24, 32, 60, 64, 96, 128, 160, 256, 300, 384):
+GRID_EXPERTS = (3, 4, 5, 8, 11, 12, 14, 16, 17, 24, 32, 60, 64, 96, 128, 160, 256, 300, 384)
+
+
+def grid_traces(tokens: int, layers: int):
+    """The size grid's traces: (E, top_k, skew, repeat, ids uint8|uint16 [tokens, layers,
+    top_k]) for every E of GRID_EXPERTS, top_k 1-8 (at most E), uniform or Zipf, repeat
+    0 / 0.5 / 0.9 (352 traces), each seeded by (E, top_k)."""
+    for e in GRID_EXPERTS:
         for k in (1, 2, 4, 6, 8):
             for skew, rep in ((0.0, 0.0), (0.0, 0.5), (1.0, 0.0), (1.0, 0.9)):
                 if k > e:
                     continue
-                x, _ = routing_trace(np.random.default_rng(e * 10 + k), tokens, layers, e, k, rep, skew)
-                ours = sum(len(codec.encode(np.ascontiguousarray(x[:, l0:l0 + GROUP]), "ctx-zstd", e))
-                           for l0 in range(0, layers, GROUP))
-                z19 = len(zstandard.ZstdCompressor(level=19).compress(x.tobytes()))
-                rows.append((ours / z19, e, k, skew, rep))
+                x, _ = routing_trace(np.random.default_rng(e * 10 + k), tokens, layers, e, k,
+                                     rep, skew)
+                yield e, k, skew, rep, x
+
+
+def print_grid(tokens=2048, layers=8):
+    """ctx-zstd / zstd-19 sizes over a grid of E, top_k, skew and repeat probability
+    (records of ``tokens`` x ``layers``); prints the largest ratios."""
+    rows = []
+    for e, k, skew, rep, x in grid_traces(tokens, layers):
+        ours = sum(len(codec.encode(np.ascontiguousarray(x[:, l0:l0 + GROUP]), "ctx-zstd", e))
+                   for l0 in range(0, layers, GROUP))
+        z19 = len(zstandard.ZstdCompressor(level=19).compress(x.tobytes()))
+        rows.append((ours / z19, e, k, skew, rep))
     rows.sort(reverse=True)
     print(f"ctx-zstd / zstd-19 over {len(rows)} traces of {tokens} tokens x {layers} layers; largest:")
     for ratio, e, k, skew, rep in rows[:10]:
@@ -245,15 +257,10 @@ def print_xl_grid(lengths=(64, 256, 512, 1024, 2048, 4096), layers=GROUP):
     print("|---|---|---|---|---|---|")
     for tokens in lengths:
         rows = []
-        for e in (3, 4, 5, 8, 11, 12, 14, 16, 17, 24, 32, 60, 64, 96, 128, 160, 256, 300, 384):
-            for k in (1, 2, 4, 6, 8):
-                for skew, rep in ((0.0, 0.0), (0.0, 0.5), (1.0, 0.0), (1.0, 0.9)):
-                    if k > e:
-                        continue
-                    x, _ = routing_trace(np.random.default_rng(e * 10 + k), tokens, layers, e, k, rep, skew)
-                    ours = len(xl_zstd.encode(x, e))
-                    z19 = _z19(x.tobytes()) + 1
-                    rows.append((ours / z19, ours - z19, f"E={e} k={k} skew={skew:g} r={rep}"))
+        for e, k, skew, rep, x in grid_traces(tokens, layers):
+            ours = len(xl_zstd.encode(x, e))
+            z19 = _z19(x.tobytes()) + 1
+            rows.append((ours / z19, ours - z19, f"E={e} k={k} skew={skew:g} r={rep}"))
         rows.sort(reverse=True)
         print(f"| {tokens} | {len(rows)} | {sum(r[1] > 0 for r in rows)} | {rows[0][0]:.4f} "
               f"| {rows[0][2]} | {max(r[1] for r in rows)} |", flush=True)
@@ -332,7 +339,6 @@ def _file_bits(recs, e, k, codec_name, version=3, group=GROUP):
     Returns (stream bytes, routing-section data bytes, per-record framing bytes summed over
     records: everything but the sections' coded data and the stream's own bytes).
     """
-    from routereplay.sidecar.layout import encode_header
     nl = recs[0].shape[1]
     schema = RoutingSchema(nl, tuple(range(nl)), k, e)
     rr = [RoutingRecord(f"s{i}", x) for i, x in enumerate(recs)]
@@ -342,10 +348,16 @@ def _file_bits(recs, e, k, codec_name, version=3, group=GROUP):
     stream = w.getvalue()
     data = sum(coded_bytes(x, codec_name, e, version, group) for x in recs)
     index = SidecarReader(stream)._index_offset
-    fixed = len(encode_header(schema, codec_name, version=version, layer_group=w.layer_group,
-                              codecs=w._codecs if version >= 3 else None)) \
-        + (len(stream) - index) - (_index_entries(rr, stream, version))
+    fixed = header_bytes(stream) + (len(stream) - index) - (_index_entries(rr, stream, version))
     return len(stream), data, len(stream) - fixed - data
+
+
+def header_bytes(stream: bytes) -> int:
+    """Bytes of ``stream``'s header as written (fixed part, JSON, CRC), read from the stream
+    itself: the writer's header holds a random stream_id, so re-encoding it would not give
+    the written length."""
+    from routereplay.sidecar.layout import HEADER_FIXED_SIZE, header_json_length
+    return HEADER_FIXED_SIZE + header_json_length(stream[:HEADER_FIXED_SIZE], len(stream))[1] + 4
 
 
 def _index_entries(rr, stream, version):
@@ -473,7 +485,6 @@ def print_file_grid(lengths=(64, 256, 1024, 4096), layers=8, codecs=("xl-zstd", 
     (a one-record stream less the stream's own header, index frame header and trailer:
     frame header, head, table, section CRCs and codec bytes, index entry, coded sections)
     against zstd-19 on the record's token-major uint8 array."""
-    from routereplay.sidecar.layout import encode_header
     print(f"\nformat 3, one record of T tokens x {layers} MoE layers: record in a file / "
           "zstd-19 token-major of the record, over the grid's traces")
     print("| codec | tokens | traces | above 1 | largest | trace | largest excess bytes |")
@@ -482,22 +493,14 @@ def print_file_grid(lengths=(64, 256, 1024, 4096), layers=8, codecs=("xl-zstd", 
     for name in codecs:
         for tokens in lengths:
             rows = []
-            for e in (3, 4, 5, 8, 11, 12, 14, 16, 17, 24, 32, 60, 64, 96, 128, 160, 256, 300, 384):
-                for k in (1, 2, 4, 6, 8):
-                    for skew, rep in ((0.0, 0.0), (0.0, 0.5), (1.0, 0.0), (1.0, 0.9)):
-                        if k > e:
-                            continue
-                        x, _ = routing_trace(np.random.default_rng(e * 10 + k), tokens, layers, e,
-                                             k, rep, skew)
-                        x = x.astype(np.uint8 if e <= 256 else np.uint16)
-                        schema = RoutingSchema(layers, tuple(range(layers)), k, e)
-                        w = write_records(None, schema, [RoutingRecord("s0", x)], codec=name,
-                                          background=False)
-                        stream = w.getvalue()
-                        fixed = len(encode_header(schema, name, codecs=w._codecs)) + 24 + 1 + 16
-                        ours = len(stream) - fixed
-                        z19 = _z19(x.astype(x.dtype.newbyteorder("<")).tobytes())
-                        rows.append((ours / z19, ours - z19, f"E={e} k={k} skew={skew:g} r={rep}"))
+            for e, k, skew, rep, x in grid_traces(tokens, layers):
+                x = x.astype(np.uint8 if e <= 256 else np.uint16)
+                schema = RoutingSchema(layers, tuple(range(layers)), k, e)
+                stream = write_records(None, schema, [RoutingRecord("s0", x)], codec=name,
+                                       background=False).getvalue()
+                ours = len(stream) - (header_bytes(stream) + 24 + 1 + 16)
+                z19 = _z19(x.astype(x.dtype.newbyteorder("<")).tobytes())
+                rows.append((ours / z19, ours - z19, f"E={e} k={k} skew={skew:g} r={rep}"))
             rows.sort(reverse=True)
             res[(name, tokens)] = rows
             print(f"| {name} | {tokens} | {len(rows)} | {sum(r[1] > 0 for r in rows)} | {rows[0][0]:.4f} "
