@@ -178,6 +178,8 @@ def main():
                     help="only the whole-file table by record length (issue 18)")
     ap.add_argument("--file-grid", action="store_true",
                     help="only the whole-file guarantee over the grid's traces, format 3")
+    ap.add_argument("--xl-ans", action="store_true",
+                    help="only the xl-ans table: whole streams of 64 records by length (issue 18)")
     ap.add_argument("--trained", help="npz from benchmarks/trained_routing.py (trained routing)")
     a = ap.parse_args()
     if a.grid:
@@ -186,6 +188,8 @@ def main():
         return print_records_by_length(a.trained)
     if a.file_grid:
         return print_file_grid()
+    if a.xl_ans:
+        return print_xl_ans(a.trained)
     rng = np.random.default_rng(0)
     summary = []
     print("bits per token-layer (lower is better); MB/s of uint8-equivalent input, one thread")
@@ -506,6 +510,86 @@ def print_file_grid(lengths=(64, 256, 1024, 4096), layers=8, codecs=("xl-zstd", 
             print(f"| {name} | {tokens} | {len(rows)} | {sum(r[1] > 0 for r in rows)} | {rows[0][0]:.4f} "
                   f"| {rows[0][2]} | {max(r[1] for r in rows)} |", flush=True)
     return res
+
+
+def _stream_codecs(stream: bytes) -> tuple[int, int, int, int]:
+    """(model frames, their bytes, xl-ans routing sections, routing sections) of a stream."""
+    from routereplay.sidecar.layout import KIND_MODEL, parse_frame_header
+    r = SidecarReader(stream)
+    models = mbytes = 0
+    off, end = r._data_start, r._index_offset
+    while off < end:
+        fh = parse_frame_header(stream[off:off + 24], off, len(stream))
+        if fh.kind == KIND_MODEL:
+            models, mbytes = models + 1, mbytes + 24 + fh.payload_len
+        off = fh.end
+    xa = n = 0
+    codecs = r.header["codecs"]
+    for sid in r.sample_ids():
+        o, h = r._frame_meta(sid)
+        g = h.grid
+        body = o + 24 + h.body_at
+        ends = r._table_ends(g, r._payload(h, g.head_len, h.body_at), h.payload_len - h.body_at)
+        for i in range(g.n_routing):
+            n += 1
+            xa += codecs[stream[body + int(ends[i]) + 4]] == "xl-ans"
+    return models, mbytes, xa, n
+
+
+def print_xl_ans(trained: str | None = None, records: int = 64,
+                 lengths=(64, 256, 1024, 4096), rows_cap: int = 1 << 22):
+    """Issue 18's codec: whole streams of ``records`` records (fewer where that would pass
+    ``rows_cap`` token-layer rows) per source and record length, coded with ``xl-zstd``
+    (the default) and ``xl-ans`` (its model frames included), against the exact entropy
+    rate and zstd-19 per record token-major; the xl-ans stream's model frames and the share
+    of its routing sections coded xl-ans; encode (the writer, one thread) and decode (read
+    every record) MB/s of uint8-equivalent ids."""
+    print(f"\nxl-ans: whole streams of up to {records} records (model frames included), bits per "
+          "token-layer; MB/s of uint8-equivalent ids, one thread")
+    print("| source | T | records | rate | z19 tm | file xl-zstd | file xl-ans | xl-ans / rate "
+          "| xl-ans / z19 tm | model frames (bytes) | sections xl-ans | enc MB/s | dec MB/s |")
+    print("|---" * 13 + "|")
+    out = []
+    for label, e, k, sample, lens in record_sources(trained):
+        if e > 64:
+            continue
+        for t in lens:
+            if t not in lengths:
+                continue
+            rng = np.random.default_rng(t)
+            recs, rates = [], []
+            while len(recs) < records and sum(x.size // k for x in recs) < rows_cap:
+                x, r = sample(rng, t)
+                recs.append(x)
+                rates.append(r)
+            nl = recs[0].shape[1]
+            rows = sum(x.shape[0] * nl for x in recs)
+            schema = RoutingSchema(nl, tuple(range(nl)), k, e)
+            rr = [RoutingRecord(f"s{i}", x) for i, x in enumerate(recs)]
+            size = {}
+            for name in ("xl-zstd", "xl-ans"):
+                t0 = time.perf_counter()
+                stream = write_records(None, schema, rr, codec=name, background=False).getvalue()
+                te = time.perf_counter() - t0
+                size[name] = len(stream)
+            t0 = time.perf_counter()
+            rd = SidecarReader(stream)
+            for i, x in enumerate(recs):
+                assert np.array_equal(rd.read(f"s{i}").expert_ids, x)
+            td = time.perf_counter() - t0
+            models, mbytes, xa, n = _stream_codecs(stream)
+            rate = None if rates[0] is None else float(
+                sum(r * x.shape[0] for r, x in zip(rates, recs)) / sum(x.shape[0] for x in recs))
+            b = {c: 8 * v / rows for c, v in size.items()}
+            z = 8 * sum(_z19(x.tobytes()) for x in recs) / rows
+            raw = sum(x.nbytes for x in recs)
+            print(f"| {label} | {t} | {len(recs)} | {'-' if rate is None else f'{rate:.3f}'} "
+                  f"| {z:.3f} | {b['xl-zstd']:.3f} | {b['xl-ans']:.3f} "
+                  f"| {'-' if rate is None else format(b['xl-ans'] / rate, '.1%')} "
+                  f"| {b['xl-ans'] / z:.1%} | {models} ({mbytes}) | {xa}/{n} | {raw / te / 1e6:.1f} "
+                  f"| {raw / td / 1e6:.1f} |", flush=True)
+            out.append((label, t, rate, z, b["xl-zstd"], b["xl-ans"]))
+    return out
 
 
 if __name__ == "__main__":

@@ -4,6 +4,7 @@ Plain Python (struct, zlib, json; zstandard only for RFC 8878 zstd frames), no n
 nothing from routereplay, so it checks the spec against what our writer produces.
 """
 import json
+import math
 import struct
 import zlib
 
@@ -165,6 +166,120 @@ def xl_zstd(blob, t, g_count, k, e):
             for row in range(t)]                                            # [T][G][K]
 
 
+def binom(n, r):
+    return math.comb(n, r) if 0 <= r <= n else 0
+
+
+class XlModel:
+    """An `xl-ans` model payload (frame kind 3, "Model payload (kind 3)")."""
+
+    def __init__(self, payload, lmoe, k, e):
+        lm, pos = varint(payload, 0)
+        em, pos = varint(payload, pos)
+        km, pos = varint(payload, pos)
+        assert (lm, em, km) == (lmoe, e, k), "model L/E/K differ from the stream's"
+        assert 2 <= e <= 64
+        c = binom(e, k) if binom(e, k) * e <= 8192 else 0
+        n = 2 * lmoe * (6 + e + e * e + c * e)
+        assert -(-n // 128) <= len(payload) <= n + n // 64 + 64, "model payload size"
+        obj = zstandard.ZstdDecompressor().decompressobj()
+        tables = obj.decompress(payload[pos:])
+        assert obj.eof and not obj.unused_data, "model tables: not exactly one zstd frame"
+        assert len(tables) == n, "model tables size"
+        v = list(struct.unpack(f"<{n // 2}H", tables))
+        i = 0
+
+        def take(count):
+            nonlocal i
+            i += count
+            return v[i - count:i]
+
+        self.c = c
+        self.flag_f, self.p, self.xn, self.j = [], [], [], []
+        for _ in range(lmoe):                                   # F[L][3][2]
+            f = take(6)
+            self.flag_f.append([freqs([f[2 * x] + 1, f[2 * x + 1] + 1]) for x in range(3)])
+        for _ in range(lmoe):                                   # P[L][E]
+            self.p.append(take(e))
+        for _ in range(lmoe):                                   # X[L][E][E], normalized
+            rows = []
+            for _u in range(e):
+                xr = take(e)
+                tot = sum(xr) + e
+                rows.append([(x + 1) * 65536 // tot for x in xr])
+            self.xn.append(rows)
+        for _ in range(lmoe):                                   # J[L][C][E]
+            self.j.append([take(e) for _c in range(c)])
+        assert i == len(v)
+
+
+def model_at(ctx, o):
+    """The model of the kind-3 frame at stream offset ``o`` (checked, cached)."""
+    if o not in ctx["models"]:
+        data, (start, end) = ctx["data"], ctx["area"]
+        assert start <= o and o + 24 <= end, "model offset outside the frame area"
+        magic, kind, plen, pcrc, hcrc = struct.unpack("<4sB3xQII", data[o:o + 24])
+        assert magic == b"RRFM" and hcrc == zlib.crc32(data[o:o + 20])
+        assert kind == 3, "frame at the model offset is not of kind 3"
+        assert o + 24 + plen <= end
+        payload = data[o + 24:o + 24 + plen]
+        assert zlib.crc32(payload) == pcrc, "model payload CRC"
+        ctx["models"][o] = XlModel(payload, ctx["lmoe"], ctx["k"], ctx["e"])
+    return ctx["models"][o]
+
+
+def xl_ans(blob, t, g_count, k, e, l0, ctx):
+    """An `xl-ans` section -> [t][g_count][K]; l0 = its first MoE layer position."""
+    assert ctx is not None, "xl-ans outside a version-3 record"
+    assert 2 <= e <= 64 and l0 + g_count <= ctx["lmoe"]
+    assert t * g_count * k <= 8 * len(blob) + min(65536, 8 * len(blob)), "expansion"
+    o, pos = varint(blob, 0)
+    words = blob[pos:]
+    assert len(words) >= 8 * g_count * (1 + k), "below the floor of 8 bytes per call"
+    m = model_at(ctx, o)
+    dec = Ans(words)
+    rows, prev_flags = [], None
+    for lp in range(g_count):
+        l = l0 + lp
+        flags = [0] * t
+        for row in range(1, t):
+            flags[row] = dec.decode(m.flag_f[l][2 if lp == 0 else prev_flags[row]])
+        fresh = [row for row in range(t) if row == 0 or flags[row] == 0]
+        bases = []
+        for row in fresh:
+            if lp == 0:
+                bases.append(m.p[l])
+                continue
+            u = rows[lp - 1][row]
+            s = [sum(m.xn[l][ui][x] for ui in u) for x in range(e)]
+            if m.c:
+                jr = m.j[l][sum(binom(si, i + 1) for i, si in enumerate(sorted(u)))]
+                bases.append([jr[x] * 65536 + 4 * s[x] for x in range(e)])
+            else:
+                bases.append(s)
+        got = [[] for _ in fresh]
+        for j in range(k):
+            for i in range(len(fresh)):
+                w = [b + 1 for b in bases[i]]
+                for x in got[i]:
+                    w[x] = 1
+                y = dec.decode(freqs(w))
+                assert y not in got[i], "id repeated in a row"
+                got[i].append(y)
+        layer = [None] * t
+        for i, row in enumerate(fresh):
+            layer[row] = got[i]
+        for row in range(1, t):
+            if flags[row]:
+                layer[row] = list(layer[row - 1])
+            else:
+                assert layer[row] != layer[row - 1], "fresh row equal to the previous row"
+        rows.append(layer)
+        prev_flags = flags
+    assert dec.decode([65536] * 256) == 0xA5 and dec.empty(), "end marker"
+    return [[rows[lp][row] for lp in range(g_count)] for row in range(t)]   # [T][G][K]
+
+
 def varint(buf, pos):
     """-> (value, position after it): unsigned LEB128, at most 10 bytes."""
     n = shift = 0
@@ -183,9 +298,13 @@ def string(buf, pos):
     return buf[pos:pos + n].decode("utf-8", "surrogatepass"), pos + n
 
 
-def routing_part(codec, blob, t, g_count, k, e):
-    """One routing section (any version) -> [t][g_count][K]."""
+def routing_part(codec, blob, t, g_count, k, e, l0=0, ctx=None):
+    """One routing section (any version) -> [t][g_count][K].
+
+    ``l0`` and ``ctx`` (the stream, for model frames) only for `xl-ans` (version 3)."""
     item = 1 if e <= 256 else 2
+    if codec == "xl-ans":
+        return xl_ans(blob, t, g_count, k, e, l0, ctx)
     if codec == "ctx-zstd":
         return ctx_zstd(blob, t, g_count, k, e)
     if codec == "xl-zstd":
@@ -204,7 +323,7 @@ def array(name, codec, blob, count):
     return list(struct.unpack(f"<{count}{'i' if name == 'token_ids' else 'f'}", raw))
 
 
-def record_v3(payload, pcrc, header, lmoe, k, e):
+def record_v3(payload, pcrc, header, lmoe, k, e, ctx=None):
     """A version-3 record payload ("Record payload (kind 1), version 3") -> record dict."""
     m, pos = varint(payload, 0)
     h = pos + m
@@ -253,6 +372,7 @@ def record_v3(payload, pcrc, header, lmoe, k, e):
     ends.append(len(body))
     codecs = header["codecs"]
     rec["routing"] = [[None] * lmoe for _ in range(t)]
+    rec["section_codecs"] = []              # per routing section: codec, l0, r0, model offset
     for i in range(s):
         sec = body[(ends[i - 1] if i else 0):ends[i]]
         assert len(sec) >= 5
@@ -262,7 +382,9 @@ def record_v3(payload, pcrc, header, lmoe, k, e):
             g, b = divmod(i, n_blocks)
             l0, l1 = g * g_size, min(lmoe, (g + 1) * g_size)
             r0, r1 = b * b_rows, min(t, (b + 1) * b_rows)
-            part = routing_part(codec, blob, r1 - r0, l1 - l0, k, e)
+            model = varint(blob, 0)[0] if codec == "xl-ans" else None
+            rec["section_codecs"].append((codec, l0, r0, model))
+            part = routing_part(codec, blob, r1 - r0, l1 - l0, k, e, l0, ctx)
             for row in range(r0, r1):
                 rec["routing"][row][l0:l1] = part[row - r0]
         else:
@@ -295,17 +417,20 @@ def read_stream(data):
     lmoe, k, e = len(sch["moe_layer_ids"]), sch["top_k"], sch["num_experts"]
     off, records, index, offsets = 20 + j, [], None, []
     end = len(data) - 16 if data[-8:] == b"RRSCEND\x00" else len(data)
+    ctx = {"data": data, "area": (20 + j, end), "models": {}, "lmoe": lmoe, "k": k, "e": e}
     while off + 24 <= end:
         magic, kind, plen, pcrc, hcrc = struct.unpack("<4sB3xQII", data[off:off + 24])
         if magic != b"RRFM":
             break                                         # the trailer
         assert hcrc == zlib.crc32(data[off:off + 20])
         payload = data[off + 24:off + 24 + plen]
-        if kind == 2:
+        if kind == 3 and version == 3:                    # xl-ans model: scans check it
+            model_at(ctx, off)
+        elif kind == 2:
             assert zlib.crc32(payload) == pcrc
             index = index_v3(payload) if version == 3 else json.loads(payload)
         elif kind == 1 and version == 3:
-            records.append(record_v3(payload, pcrc, header, lmoe, k, e))
+            records.append(record_v3(payload, pcrc, header, lmoe, k, e, ctx))
             offsets.append(off)
         elif kind == 1:
             assert zlib.crc32(payload) == pcrc

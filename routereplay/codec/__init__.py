@@ -10,6 +10,12 @@ named by a short string stored in each routing section's metadata (docs/FORMAT.m
   Chosen by measurement with format 3's geometry (benchmarks/README.md, issue 18): 4-10 %
   smaller whole files than ``ctx-zstd`` on a trained model's routing, within 0.3 % (a mode
   byte per section) on synthetic routing; one-layer grid sections code as ``ctx-zstd``.
+- ``xl-ans`` (opt-in): a cross-layer context model learned from a stream's earlier records
+  and stored once in the stream (a model frame), driving constriction's rANS coder
+  (routereplay.codec.xl_ans). On the cross-layer source at 1K-token records: whole streams
+  at 1.04x the entropy rate (64 records; 1.03x at 256), 13-15 % below ``xl-zstd``; encodes
+  and decodes at 3-6 MB/s; 2 <= E <= 64. Sections name their model frame by offset
+  (:data:`ModelResolver`).
 - ``ctx-zstd``: per-layer repeat bitmap and id bytes, then zstd with a Huffman table per
   layer (routereplay.codec.ctx_zstd); the default before format 3, and the default of a
   ``format_version=2`` writer (readers older than ``xl-zstd`` know it).
@@ -28,24 +34,32 @@ from __future__ import annotations
 
 import numpy as np
 
-from routereplay.codec import ctx_ans, ctx_zstd, layer_major, xl_zstd
+from typing import Callable
+
+from routereplay.codec import ctx_ans, ctx_zstd, layer_major, xl_ans, xl_zstd
 from routereplay.codec.layer_major import bounded_zstd_decompress
 from routereplay.errors import ConfigError, RecordError, SidecarError
 
 DEFAULT_CODEC = "xl-zstd"
 V2_DEFAULT_CODEC = "ctx-zstd"          # a format-2 writer's default (older readers)
-CODECS = ("ctx-zstd", "xl-zstd", "ctx-ans", "ctx-ans-sorted", "zstd-lm", "raw-lm")
+CODECS = ("ctx-zstd", "xl-zstd", "xl-ans", "ctx-ans", "ctx-ans-sorted", "zstd-lm", "raw-lm")
 
-_MODEL_CODECS = ("ctx-zstd", "xl-zstd", "ctx-ans", "ctx-ans-sorted")    # need num_experts
+_MODEL_CODECS = ("ctx-zstd", "xl-zstd", "xl-ans", "ctx-ans", "ctx-ans-sorted")  # need num_experts
+# NOTE: an xl-ans section names its model by the offset of the model frame in its stream;
+# a reader resolves it (reads, checks and caches the frame) through this callable.
+ModelResolver = Callable[[int], "xl_ans.XlModel"]
 
 __all__ = ["CODECS", "DEFAULT_CODEC", "V2_DEFAULT_CODEC", "encode", "encode_grid", "decode", "bounded_zstd_decompress"]
 
 
-def encode(ids: np.ndarray, codec: str = DEFAULT_CODEC, num_experts: int | None = None) -> bytes:
+def encode(ids: np.ndarray, codec: str = DEFAULT_CODEC, num_experts: int | None = None, *,
+           model: tuple[int, "xl_ans.XlModel"] | None = None, moe_layer0: int = 0) -> bytes:
     """Encode ids [T, L_g, top_k] (uint8 or uint16) with ``codec``.
 
-    ``num_experts`` (logical routed experts) is required by the ``ctx-*`` and ``xl-zstd``
-    codecs.
+    ``num_experts`` (logical routed experts) is required by the ``ctx-*`` and ``xl-*``
+    codecs. ``xl-ans`` also needs ``model`` = (offset of its model frame in the stream,
+    the model as a reader parses it) and ``moe_layer0``, the position of the section's
+    first layer among the stream's MoE layers.
 
     Raises:
         ConfigError (a ValueError): unknown codec, or no num_experts for a ``ctx-*`` codec.
@@ -67,6 +81,13 @@ def encode(ids: np.ndarray, codec: str = DEFAULT_CODEC, num_experts: int | None 
         return ctx_zstd.encode(ids, num_experts)
     if codec == "xl-zstd":
         return xl_zstd.encode(ids, num_experts)
+    if codec == "xl-ans":
+        if model is None:
+            raise ConfigError("codec 'xl-ans' needs model=(model frame offset, XlModel)")
+        if model[1].num_experts != num_experts:
+            raise ConfigError(f"xl-ans model is for {model[1].num_experts} experts, not {num_experts}")
+        from routereplay.sidecar.layout import varint
+        return varint(int(model[0])) + xl_ans.encode(ids, model[1], moe_layer0)
     if codec in ("ctx-ans", "ctx-ans-sorted"):
         return ctx_ans.encode(ids, num_experts, sorted_rows=codec == "ctx-ans-sorted")
     raise ConfigError(f"unknown codec {codec!r}; known: {CODECS}")
@@ -96,14 +117,19 @@ def encode_grid(ids: np.ndarray, codec: str, num_experts: int | None, token_bloc
 
 
 def decode(data: bytes, codec: str, shape: tuple[int, int, int], dtype: np.dtype,
-           num_experts: int | None = None) -> np.ndarray:
+           num_experts: int | None = None, *, models: ModelResolver | None = None,
+           moe_layer0: int = 0) -> np.ndarray:
     """Decode a section back to ids [T, L_g, top_k] of ``dtype``.
 
-    ``shape`` is (T, L_g, top_k) from the frame metadata.
+    ``shape`` is (T, L_g, top_k) from the frame metadata. ``xl-ans`` sections also need
+    ``models`` (model frame offset -> XlModel, raising SidecarError) and ``moe_layer0``
+    (the section's first MoE-layer position).
 
     Raises:
         SidecarError: unknown codec, a shape that is not three non-negative ints, a
-            num_experts below 1 (``ctx-*``, ``xl-zstd``), or bytes that do not decode to ``shape``.
+            num_experts below 1 (``ctx-*``, ``xl-*``), an ``xl-ans`` section without a
+            model resolver or whose model does not resolve, or bytes that do not decode to
+            ``shape``.
     """
     if len(shape) != 3 or any(isinstance(n, bool) or not isinstance(n, (int, np.integer))
                               or n < 0 for n in shape) or shape[2] < 1:
@@ -121,6 +147,22 @@ def decode(data: bytes, codec: str, shape: tuple[int, int, int], dtype: np.dtype
         return ctx_zstd.decode(data, shape, dtype, num_experts)
     if codec == "xl-zstd":
         return xl_zstd.decode(data, shape, dtype, num_experts)
+    if codec == "xl-ans":
+        if models is None:
+            raise SidecarError("an xl-ans section needs its stream's model frames (read it "
+                               "through SidecarReader)")
+        if dtype != np.uint8:
+            raise SidecarError(f"xl-ans stores ids as uint8, not {np.dtype(dtype).str}")
+        from routereplay.sidecar.layout import read_varint
+        try:
+            off, pos = read_varint(memoryview(data), 0)
+        except Exception as exc:  # noqa: BLE001 - any parse failure is a corrupt section
+            raise SidecarError(f"xl-ans section's model offset does not parse: {exc}") from None
+        model = models(off)
+        if model.num_experts != num_experts:
+            raise SidecarError(f"xl-ans model at offset {off} is for {model.num_experts} "
+                               f"experts, not {num_experts}")
+        return xl_ans.decode(bytes(data[pos:]), shape, dtype, model, moe_layer0)
     if codec in ("ctx-ans", "ctx-ans-sorted"):
         return ctx_ans.decode(data, shape, dtype, num_experts, sorted_rows=codec == "ctx-ans-sorted")
     raise SidecarError(f"unknown routing codec {codec!r}; known: {CODECS}")

@@ -22,6 +22,7 @@ PRECISION = 24
 TOTAL = 1 << PRECISION
 END_MARKER = 0xA5            # 8-bit symbol decoded last; proves the section was read whole
 _MARKER_MODEL = None
+_FAMILY = None
 
 
 def frequencies(weights: np.ndarray) -> np.ndarray:
@@ -44,6 +45,16 @@ def model(weights: np.ndarray):
     """constriction Categorical whose frequencies are exactly ``frequencies(weights)``."""
     return constriction.stream.model.Categorical(
         (frequencies(weights) - 1).astype(np.float64), perfect=False)
+
+
+def per_symbol(weights: np.ndarray) -> tuple:
+    """(model family, parameters) for symbols of their own models: weights int64 [n, m]
+    (one row of integer weights per symbol) -> constriction's Categorical family and the
+    float64 [n, m] parameters whose frequencies are exactly ``frequencies(weights)``."""
+    global _FAMILY
+    if _FAMILY is None:
+        _FAMILY = constriction.stream.model.Categorical(perfect=False)
+    return _FAMILY, (frequencies(weights) - 1).astype(np.float64)
 
 
 def marker_model():
@@ -77,6 +88,15 @@ class Decoder:
         if self._empty():
             raise SidecarError(f"ANS section ends early, at {where}")
         return self._coder.decode(model(weights), count)
+
+    def decode_rows(self, weights: np.ndarray, where: str) -> np.ndarray:
+        """One symbol per row of ``weights`` int64 [n, m] (each row its own model) -> int32 [n]."""
+        if weights.shape[0] == 0:
+            return np.zeros(0, dtype=np.int32)
+        if self._empty():
+            raise SidecarError(f"ANS section ends early, at {where}")
+        fam, params = per_symbol(weights)
+        return self._coder.decode(fam, params)
 
     def _empty(self) -> bool:
         # NOTE: state 0 and every word consumed (num_words counts both); constriction's

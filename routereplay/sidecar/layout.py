@@ -33,6 +33,7 @@ FRAME_MAGIC = b"RRFM"
 TRAILER_MAGIC = b"RRSCEND\x00"
 KIND_RECORD = 1
 KIND_INDEX = 2
+KIND_MODEL = 3              # an xl-ans model (docs/FORMAT.md "Model payload (kind 3)")
 _HEADER_FIXED = struct.Struct("<8sHHI")        # magic, version, flags, json_len
 HEADER_FIXED_SIZE = _HEADER_FIXED.size         # 16 bytes
 _FRAME_HDR = struct.Struct("<4sB3xQI")         # magic, kind, payload_len, crc32
@@ -170,9 +171,11 @@ def encode_header(schema: RoutingSchema, codec: str | None = None,
 
 def codec_table(codec: str) -> tuple[str, ...]:
     """The version-3 codec table a writer whose routing codec is ``codec`` declares: that
-    codec, the fallbacks it may store a section with (``ctx-zstd``, ``raw-lm``), and the
-    array codecs ``zstd`` and ``raw``. A section's codec byte is an index into it."""
-    return tuple(dict.fromkeys((codec, "ctx-zstd", "raw-lm", "zstd", "raw")))
+    codec, the fallbacks it may store a section with (``xl-ans``: ``xl-zstd``; every codec:
+    ``ctx-zstd``, ``raw-lm``), and the array codecs ``zstd`` and ``raw``. A section's codec
+    byte is an index into it."""
+    extra = ("xl-zstd",) if codec == "xl-ans" else ()
+    return tuple(dict.fromkeys((codec,) + extra + ("ctx-zstd", "raw-lm", "zstd", "raw")))
 
 
 def header_json_length(fixed: bytes, stream_size: int) -> tuple[int, int]:

@@ -50,7 +50,8 @@ ARRAY_CODECS = ("zstd", "raw")
 # fits (FALLBACK), so it never writes what readers refuse: only near-constant routing
 # (over 128x) is stored raw. ctx-ans gets the lowest factor: it decodes at 5-90 MB/s of
 # ids, ctx-zstd at 60-2000 MB/s.
-EXPANSION = {"ctx-ans": 16, "ctx-ans-sorted": 16, "ctx-zstd": 64, "xl-zstd": 64, "zstd-lm": 64,
+EXPANSION = {"ctx-ans": 16, "ctx-ans-sorted": 16, "xl-ans": 8, "ctx-zstd": 64, "xl-zstd": 64,
+             "zstd-lm": 64,
              "raw-lm": 1, "zstd": 64, "raw": 1}
 EXPANSION_SLACK = 64 << 10             # the most slack bytes a section gets
 # NOTE: version 3 adds a record-level limit: the whole record (ids, token ids, log-probs)
@@ -286,7 +287,8 @@ def encode_record_payload(record: RoutingRecord, schema: RoutingSchema,
                           token_block: int = DEFAULT_TOKEN_BLOCK,
                           one_section_bytes: int = DEFAULT_ONE_SECTION_BYTES,
                           min_section_bytes: int = DEFAULT_MIN_SECTION_BYTES,
-                          codecs: tuple[str, ...] | None = None) -> RecordPayload:
+                          codecs: tuple[str, ...] | None = None,
+                          model: tuple[int, Any] | None = None) -> RecordPayload:
     """Record frame payload (docs/FORMAT.md "Record payload"); frame it with
     ``encode_frame(KIND_RECORD, payload)`` (which takes ``payload.head_len``).
 
@@ -302,6 +304,9 @@ def encode_record_payload(record: RoutingRecord, schema: RoutingSchema,
     would expand beyond the reader's limit (:func:`section_fits`) is stored with the next
     codec of :data:`FALLBACK` that fits; a record beyond the record-level limit has its
     most expanding sections stored as ``raw-lm`` until it fits.
+    ``xl-ans``: the geometry and sections of ``xl-zstd``, each replaced by its ``xl-ans``
+    coding under ``model`` (model frame offset, routereplay.codec.xl_ans.XlModel) where
+    that is smaller and within the limit; without a model, ``xl-zstd`` throughout.
     Version 2: routereplay.sidecar.payload_v2 (``layer_group`` default 4).
     ``column_order="sorted"`` stores each row in ascending expert order. The record must
     be valid (``RoutingRecord.validate``).
@@ -320,7 +325,8 @@ def encode_record_payload(record: RoutingRecord, schema: RoutingSchema,
     cid = {c: i for i, c in enumerate(codecs)}
     ids = np.sort(record.expert_ids, axis=-1) if column_order == "sorted" else record.expert_ids
     t, nl = ids.shape[0], schema.num_moe_layers
-    grid, b_rows, g_layers, blobs = grid_sections(ids, codec, schema.num_experts, token_block,
+    base = "xl-zstd" if codec == "xl-ans" else codec
+    grid, b_rows, g_layers, blobs = grid_sections(ids, base, schema.num_experts, token_block,
                                                   layer_group or DEFAULT_LAYER_GROUP,
                                                   one_section_bytes, min_section_bytes)
     nb, ng = max(1, -(-t // b_rows)), -(-nl // g_layers)
@@ -328,8 +334,17 @@ def encode_record_payload(record: RoutingRecord, schema: RoutingSchema,
     for i, blob in enumerate(blobs):
         g, b = divmod(i, nb)
         part = ids[b * b_rows:(b + 1) * b_rows, g * g_layers:(g + 1) * g_layers]
-        secs.append((codec, blob, part.nbytes) if section_fits(codec, part.nbytes, len(blob))
-                    else _encode_routing(part, codec, schema.num_experts))
+        sec = (base, blob, part.nbytes) if section_fits(base, part.nbytes, len(blob)) \
+            else _encode_routing(part, base, schema.num_experts)
+        if codec == "xl-ans" and model is not None:
+            # NOTE: xl-ans is kept only where smaller than the xl-zstd section: the bound
+            # by zstd-19 (xl-zstd's mode 2) carries over.
+            xa = _codec.encode(np.ascontiguousarray(part), "xl-ans", schema.num_experts,
+                               model=model, moe_layer0=g * g_layers)
+            if len(xa) < len(sec[1]) and section_fits("xl-ans", part.nbytes, len(xa)) \
+                    and len(xa) >= _codec.xl_ans.least_bytes(part.shape[1], part.shape[2]) + 10:
+                sec = ("xl-ans", xa, part.nbytes)
+        secs.append(sec)
     arrays: list[tuple[str, int]] = []
     if record.token_ids is not None:
         tok = np.ascontiguousarray(record.token_ids, dtype="<i4").tobytes()

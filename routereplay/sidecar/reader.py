@@ -24,10 +24,11 @@ from typing import Any, BinaryIO, Iterator, Sequence
 import numpy as np
 
 from routereplay import codec as _codec
+from routereplay.codec import xl_ans
 from routereplay.errors import ConfigError, RecordError, SidecarError, UnknownSampleError
 from routereplay.record import RoutingRecord
 from routereplay.sidecar.layout import (FRAME_HEADER_SIZE, HEADER_FIXED_SIZE,
-                                        KIND_INDEX, KIND_RECORD, TRAILER_MAGIC, TRAILER_SIZE,
+                                        KIND_INDEX, KIND_MODEL, KIND_RECORD, TRAILER_MAGIC, TRAILER_SIZE,
                                         FrameHeader, crc32, decode_header, decode_index,
                                         header_json_length,
                                         parse_frame_header, parse_trailer)
@@ -37,6 +38,7 @@ from routereplay.sidecar.payload import (SECTION_OVERHEAD, Grid, RecordMeta, dec
 from routereplay.source import Rows, check_fetch_args
 
 _RESYNC_CHUNK = 1 << 20
+MODEL_CACHE = 8                # xl-ans models a reader keeps parsed
 MAX_REPORTED = 1000            # error messages (and corrupt-frame entries) kept; the rest counted
 _CRC_TABLE: np.ndarray | None = None
 # NOTE: version 3 ranged reads (docs/FORMAT.md "Reading a version-3 record").
@@ -256,6 +258,7 @@ class SidecarReader:
         self._data_start = hdr.size
         self._header_bytes = self._read(0, hdr.size)
         self._scan_pos = hdr.size
+        self._models: dict[int, Any] = {}                     # xl-ans: frame offset -> model
         self._load_index()
 
     # -- header / index
@@ -332,6 +335,41 @@ class SidecarReader:
                                offset=off)
         return fh, payload
 
+    def _model_at(self, off: int) -> Any:
+        """The xl-ans model of the model frame at ``off`` (read, checked, cached: the last
+        MODEL_CACHE models).
+
+        Raises:
+            SidecarError: ``off`` outside the frame area, not a model frame (kind 3), a
+                payload beyond the reader's limit for the stream's model shape, a checksum
+                mismatch, or a payload that does not parse (routereplay.codec.xl_ans).
+        """
+        m = self._models.get(off)
+        if m is not None:
+            return m
+        s = self.schema
+        if not self._data_start <= off <= self.size - FRAME_HEADER_SIZE:
+            raise SidecarError(f"xl-ans model offset {off} is outside the stream's frames",
+                               offset=off)
+        fh = parse_frame_header(self._read(off, FRAME_HEADER_SIZE), off, self.size)
+        if fh.kind != KIND_MODEL:
+            raise SidecarError(f"frame at offset {off} is not an xl-ans model frame (kind "
+                               f"{fh.kind})", offset=off)
+        lo, hi = xl_ans.payload_limits(s.num_moe_layers, s.num_experts, s.top_k)
+        if not lo <= fh.payload_len <= hi:
+            raise SidecarError(f"xl-ans model frame at offset {off} holds {fh.payload_len} "
+                               f"bytes, outside the reader's limits [{lo}, {hi}] for its tables",
+                               offset=off)
+        try:
+            _, payload = self._read_frame(off)
+            m = xl_ans.XlModel.from_bytes(payload, s.num_moe_layers, s.num_experts, s.top_k)
+        except SidecarError as e:
+            raise SidecarError(f"xl-ans model frame at offset {off}: {e}", offset=off) from None
+        if len(self._models) >= MODEL_CACHE:
+            self._models.pop(next(iter(self._models)))
+        self._models[off] = m
+        return m
+
     # -- scanning
     def scan(self) -> list[FrameInfo]:
         """Walk the frames not scanned yet (all of them on the first call; on a live stream,
@@ -390,6 +428,11 @@ class SidecarReader:
                         self._by_id[fi.meta.sample_id] = fi          # index entry -> scanned
                 else:
                     self._keep(fi)
+            elif fh.kind == KIND_MODEL:
+                try:
+                    self._model_at(off)
+                except SidecarError as e:
+                    self._error(str(e))
             off = fh.end
         self._scan_pos = off
         if self.complete:
@@ -996,7 +1039,7 @@ class SidecarReader:
             g, b = divmod(i, grid.n_blocks)
             (l0, l1), (b0, b1) = grid.layers(g), grid.rows(b)
             ids = _codec.decode(bytes(data), codec, (b1 - b0, l1 - l0, k), schema.id_dtype,
-                                schema.num_experts)
+                                schema.num_experts, models=self._model_at, moe_layer0=l0)
             pos, offs = cols[g]
             run = pos == list(range(pos[0], pos[0] + len(pos))) \
                 and offs == list(range(offs[0], offs[0] + len(offs)))

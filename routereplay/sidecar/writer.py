@@ -13,20 +13,30 @@ import queue
 import threading
 from typing import Any, BinaryIO, Sequence
 
+import numpy as np
+
 from routereplay import codec as _codec
+from routereplay.codec import xl_ans
 from routereplay.errors import ConfigError, RecordError, SidecarError
 from routereplay.record import RoutingRecord
 from routereplay.schema import RoutingSchema
 from routereplay.sidecar.layout import (COLUMN_ORDERS, DEFAULT_LAYER_GROUP,
                                         DEFAULT_MIN_SECTION_BYTES, DEFAULT_ONE_SECTION_BYTES,
                                         DEFAULT_TOKEN_BLOCK,
-                                        FORMAT_VERSION, KIND_INDEX, KIND_RECORD, MAX_JSON_BYTES,
+                                        FORMAT_VERSION, KIND_INDEX, KIND_MODEL, KIND_RECORD,
+                                        MAX_JSON_BYTES,
                                         MAX_TOKENS, V2_LAYER_GROUP, WRITABLE_VERSIONS,
                                         codec_table, encode_frame, encode_header, encode_index,
                                         encode_trailer)
 from routereplay.sidecar.payload import encode_record_payload
 
 FSYNC_MODES = ("close", "frame", "never")
+# xl-ans model frames (SidecarWriter._learn_from); measured in benchmarks/codec.py
+XL_ANS_LAYER_GROUP = 8        # a grid's layer group: cross-layer context is lost at its edges
+MODEL_FIRST_ROWS = 8192       # token-layer rows counted before the first model
+MODEL_FIRST_SHARE = 1 / 16    # the first model frame: at most this share of the raw ids so far
+MODEL_SHARE = 1 / 64          # all model frames together, once there is one
+MODEL_REFRESH = 4             # a new model is learned from this many times the rows
 
 
 def writer_codec(codec: str | None, column_order: str = "engine",
@@ -38,8 +48,8 @@ def writer_codec(codec: str | None, column_order: str = "engine",
     sorted rows -> ``ctx-ans-sorted``.
 
     Raises:
-        ConfigError (a ValueError): unknown codec or column order, or ``ctx-ans-sorted``
-            for engine order.
+        ConfigError (a ValueError): unknown codec or column order, ``ctx-ans-sorted``
+            for engine order, or ``xl-ans`` for ``format_version=2``.
     """
     if column_order not in COLUMN_ORDERS:
         raise ConfigError(f"column_order must be one of {COLUMN_ORDERS}")
@@ -52,6 +62,9 @@ def writer_codec(codec: str | None, column_order: str = "engine",
         raise ConfigError(f"unknown codec {codec!r}; known: {', '.join(_codec.CODECS)}")
     if codec == "ctx-ans-sorted" and column_order != "sorted":
         raise ConfigError("codec 'ctx-ans-sorted' needs column_order='sorted'")
+    if codec == "xl-ans" and format_version < 3:
+        raise ConfigError("codec 'xl-ans' needs format_version 3 (its models are frames of "
+                          "a version-3 stream)")
     return codec
 
 
@@ -84,7 +97,11 @@ class SidecarWriter:
         codec: routing codec (routereplay.codec.CODECS); None (default) picks ``xl-zstd``
             (``ctx-zstd`` for ``format_version=2``), or ``ctx-ans-sorted`` for sorted
             streams; ``ctx-ans`` is 2-5 % smaller than ``ctx-zstd`` on most routing and
-            10-50x slower.
+            10-50x slower. ``xl-ans`` (E <= 64, version 3) learns a cross-layer model from
+            the records written and writes it into the stream as a model frame (kind 3)
+            when it pays for itself; later sections use it where smaller than ``xl-zstd``
+            (13-15 % smaller streams on routing whose layers depend on each other, at 3-6
+            MB/s; grid layer group 8 by default). docs/FORMAT.md "xl-ans".
         column_order: "engine" (default: top-k columns exactly as the engine returned
             them) or "sorted" (canonical: each row in ascending expert id; declared in the
             header; ``ctx-ans-sorted`` codes it smaller by about log2(top_k!) bits a row).
@@ -130,6 +147,9 @@ class SidecarWriter:
             raise ConfigError(f"a sidecar destination is a path, an fsspec URL, a writable "
                               f"binary file object or None, not {type(dest).__name__}")
         codec = writer_codec(codec, column_order, format_version)
+        if codec == "xl-ans" and not schema.num_experts <= xl_ans.MAX_EXPERTS:
+            raise ConfigError(f"codec 'xl-ans' models at most {xl_ans.MAX_EXPERTS} experts, the "
+                              f"schema has {schema.num_experts}: use xl-zstd")
         if fsync not in FSYNC_MODES:
             raise ConfigError(f"fsync must be one of {FSYNC_MODES}, got {fsync!r}")
         if format_version not in WRITABLE_VERSIONS:
@@ -137,6 +157,8 @@ class SidecarWriter:
                               f"{format_version!r}")
         if layer_group is None:
             layer_group = DEFAULT_LAYER_GROUP if format_version >= 3 else V2_LAYER_GROUP
+            if codec == "xl-ans":
+                layer_group = XL_ANS_LAYER_GROUP
         for name, v, lo in (("layer_group", layer_group, 1), ("token_block", token_block, 1),
                             ("one_section_bytes", one_section_bytes, 0),
                             ("min_section_bytes", min_section_bytes, 0)):
@@ -178,6 +200,13 @@ class SidecarWriter:
         else:
             self._f, self._own = dest, False
         self._index: list[tuple[str, int]] = []
+        # xl-ans: the counts learned from the records written so far, and the model frame
+        # in use (offset, model as readers parse it)
+        self._learn = xl_ans.XlModel.empty(schema.num_moe_layers, schema.num_experts,
+                                           schema.top_k) if codec == "xl-ans" else None
+        self._model: tuple[int, xl_ans.XlModel] | None = None
+        self._model_rows = self._model_bytes = self._raw_bytes = 0
+        self._next_model_rows = MODEL_FIRST_ROWS
         self._ids: set[str] = set()
         self._pos = 0
         self._closed = False
@@ -306,18 +335,78 @@ class SidecarWriter:
         self._bytes_written += len(b)
 
     def _write_now(self, record: RoutingRecord) -> None:
+        if self._learn is not None:
+            self._learn_from(record)
         payload = encode_record_payload(record, self.schema, self.codec, self.layer_group,
                                         self.column_order, version=self.format_version,
                                         token_block=self.token_block,
                                         one_section_bytes=self.one_section_bytes,
                                         min_section_bytes=self.min_section_bytes,
-                                        codecs=self._codecs)
+                                        codecs=self._codecs, model=self._model)
         offset = self._pos
         self._emit(encode_frame(KIND_RECORD, payload))
         self._index.append((record.sample_id, offset))
         self._f.flush()
         if self._fsync == "frame":
             self._do_fsync()
+
+    def _learn_from(self, record: RoutingRecord) -> None:
+        """xl-ans: write a new model frame when due (learned from the records before
+        ``record``), then count ``record``'s routing.
+
+        NOTE: a model frame costs its bytes once and saves on every later record. The first
+        is written once MODEL_FIRST_ROWS rows are counted and it takes at most
+        MODEL_FIRST_SHARE of the ids written so far (raw bytes, this record included); a new one (learned from 4x the rows) only
+        while all model frames together stay within MODEL_SHARE of those bytes; either only
+        where it pays for itself (below)."""
+        assert self._learn is not None
+        ids = record.expert_ids
+        if self.column_order == "sorted":
+            ids = np.sort(ids, axis=-1)
+        self._raw_bytes += ids.nbytes
+        try:
+            self._maybe_model(record)
+        finally:
+            self._learn.count(ids)
+
+    def _maybe_model(self, record: RoutingRecord) -> None:
+        """Write a model frame of the records before ``record`` if one is due and pays."""
+        assert self._learn is not None
+        rows = self._learn.rows_counted()
+        if rows < self._next_model_rows:
+            return
+        payload = self._learn.to_bytes()
+        frame = len(payload) + 24
+        share = MODEL_FIRST_SHARE if self._model is None else MODEL_SHARE
+        s = self.schema
+        least, _ = xl_ans.payload_limits(s.num_moe_layers, s.num_experts, s.top_k)
+        if self._model_bytes + frame > share * self._raw_bytes or len(payload) < least:
+            self._next_model_rows = 2 * rows
+            return
+        offset = self._pos
+        model = (offset, xl_ans.XlModel.from_bytes(payload, s.num_moe_layers, s.num_experts,
+                                                   s.top_k))
+        # NOTE: worth it only if it saves its bytes: what it saves on this record (against
+        # the model in use, or none; a record the model has not seen), times the records
+        # written so far (as many again are expected), must pay for the frame. Routing that has no cross-layer structure to
+        # learn gets no model frames.
+        saved = self._coded(record, self._model) - self._coded(record, model)
+        if saved * (len(self._index) + 1) < frame:
+            self._next_model_rows = 2 * rows
+            return
+        self._emit(encode_frame(KIND_MODEL, payload))
+        self._model = model
+        self._model_bytes += frame
+        self._next_model_rows = MODEL_REFRESH * rows
+
+    def _coded(self, record: RoutingRecord, model: Any) -> int:
+        """Bytes of ``record``'s payload coded under ``model`` (None: xl-zstd only)."""
+        return len(encode_record_payload(record, self.schema, self.codec, self.layer_group,
+                                         self.column_order, version=self.format_version,
+                                         token_block=self.token_block,
+                                         one_section_bytes=self.one_section_bytes,
+                                         min_section_bytes=self.min_section_bytes,
+                                         codecs=self._codecs, model=model))
 
     def _do_fsync(self) -> None:
         try:

@@ -1,0 +1,363 @@
+"""``xl-ans``: a cross-layer context model, shared by a stream's records, driving an rANS
+coder (docs/FORMAT.md "xl-ans").
+
+Shape legend: T rows (tokens) of a section, G MoE layers in it, K = top_k, E = num_experts,
+L = L_moe (the stream's MoE layers), C = C(E, K) unordered expert sets.
+
+A trained router sends a token at MoE layer l much where it sent it at layer l - 1, and
+every record of a stream comes from the same routers. So the model of this codec is
+learned from the stream's earlier records (counts), written once into the stream as a
+*model frame* (:class:`XlModel`, FORMAT.md "Model payload"), and used by every later
+record's sections, which name it by its frame offset. Per section, layer by layer:
+
+1. Repeat flag, rows 1..T-1: 1 when the row equals the previous token's row of its
+   layer. Its context is the flag of the same token one layer up (a token whose routing
+   repeats at layer l - 1 tends to repeat at l), or "none" at the section's first layer.
+2. Fresh rows, column by column, with exclusion of the columns before: the expert's
+   probability given the token's expert *set* one layer up. With few sets
+   (C x E <= ``JOINT_LIMIT``) the counts of each set are used directly, smoothed towards
+   the mean of the per-expert successor counts; otherwise that mean alone. At the
+   section's first layer (no layer up inside the section): the layer's popularity.
+3. Repeated rows copy the row before.
+
+Models are static within a record (no adaptation): decoding is vectorized over a
+section's rows, 1 + K constriction calls per layer. ``xl-ans`` needs a model frame; the
+writer codes a stream's first records with ``xl-zstd`` while it learns, and keeps each
+section's smaller of ``xl-ans`` and ``xl-zstd`` (so the ``xl-zstd`` bound holds).
+
+NOTE: measured on the cross-layer source of routereplay.testing (E=8, top-2, 32 layers,
+1K-token records), against the exact entropy rate: a model learned from 1 earlier record
+codes at 1.035x, from 4 at 1.018x, from 16 at 1.012x; the successor-mean model alone (what
+large E gets) stays at 1.065x whatever the data, as the mean of per-expert successor
+distributions is not the distribution given a set.
+"""
+from __future__ import annotations
+
+import dataclasses
+from math import comb
+
+import constriction
+import numpy as np
+import zstandard
+
+from routereplay.codec import ans
+from routereplay.errors import RecordError, SidecarError
+
+MAX_EXPERTS = 64            # E above this: use xl-zstd (the model's E x E tables grow as E^2)
+JOINT_LIMIT = 1 << 13       # joint (expert-set) tables when C(E, K) x E <= this
+SCALE = 1 << 16             # successor distributions are scaled to SCALE per up expert
+SMOOTH = 4                  # pseudo-rows of the successor mean in each set's distribution
+COUNT_MAX = 0xFFFF          # model counts are u16
+NONE_CTX = 2                # flag context of a section's first layer
+BYTES_PER_CALL = 8          # an xl-ans section holds at least this many bytes per coder call
+MODEL_EXPANSION = 128       # a model payload's tables are at most this many times its bytes
+
+
+def joint_sets(num_experts: int, top_k: int) -> int:
+    """C: the number of expert sets the joint table has rows for, 0 when it has none."""
+    c = comb(num_experts, top_k)
+    return c if c * num_experts <= JOINT_LIMIT else 0
+
+
+def least_bytes(num_layers: int, top_k: int) -> int:
+    """The fewest data bytes (after the model offset) of an ``xl-ans`` section of
+    ``num_layers`` layers: ``BYTES_PER_CALL`` per coder call, G x (1 + K) calls.
+
+    NOTE: each call (a flag block or a column of a layer) has a fixed cost of 10-30 us;
+    without this floor a stream of tiny sections would cost seconds of CPU per MiB."""
+    return BYTES_PER_CALL * num_layers * (1 + top_k)
+
+
+def table_bytes(num_layers: int, num_experts: int, top_k: int) -> int:
+    """Bytes of a model's u16 tables: 2 x L x (6 + E + E^2 + C x E)."""
+    e = num_experts
+    return 2 * num_layers * (6 + e + e * e + joint_sets(e, top_k) * e)
+
+
+def payload_limits(num_layers: int, num_experts: int, top_k: int) -> tuple[int, int]:
+    """(least, most) bytes of a model payload a reader accepts for this model shape: its
+    tables expand at most ``MODEL_EXPANSION`` x (a reader's work per stored byte stays
+    bounded), and zstd stores them with at most a small overhead."""
+    n = table_bytes(num_layers, num_experts, top_k)
+    return -(-n // MODEL_EXPANSION), n + n // 64 + 64
+
+
+def set_index(rows: np.ndarray) -> np.ndarray:
+    """ids int [N, K] (distinct per row, any column order) -> the set's rank int64 [N] in
+    the combinatorial number system: sum_i C(s_i, i + 1), s ascending."""
+    s = np.sort(rows.astype(np.int64), axis=1)
+    out = np.zeros(s.shape[0], dtype=np.int64)
+    for i in range(s.shape[1]):
+        out += _binom(s[:, i], i + 1)
+    return out
+
+
+def _binom(n: np.ndarray, r: int) -> np.ndarray:
+    out = np.ones_like(n)
+    for j in range(r):
+        out = out * (n - j)
+    for j in range(2, r + 1):
+        out //= j
+    return np.where(n >= r, out, 0)
+
+
+@dataclasses.dataclass
+class XlModel:
+    """The counts of an ``xl-ans`` model (one per model frame), all u16 (stored) or int64
+    (accumulating):
+
+    - ``flags [L, 3, 2]``: rows (t >= 1) with repeat flag 0 / 1, by context (0: the same
+      token's row one layer up was fresh, 1: it repeated, 2: all rows, the "none" context);
+    - ``pop [L, E]``: expert ids of fresh rows;
+    - ``pair [L, E, E]``: ``pair[l, u, x]``: fresh rows of layer l holding x whose token held
+      u at layer l - 1 (zero at l = 0);
+    - ``joint [L, C, E]``: ``joint[l, c, x]``: fresh rows of layer l holding x whose token
+      held the expert set c at layer l - 1 (C = :func:`joint_sets`, possibly 0).
+    """
+
+    num_experts: int
+    top_k: int
+    flags: np.ndarray
+    pop: np.ndarray
+    pair: np.ndarray
+    joint: np.ndarray
+
+    @classmethod
+    def empty(cls, num_layers: int, num_experts: int, top_k: int) -> "XlModel":
+        """Zero counts for L MoE layers (int64, ready for :meth:`count`).
+
+        Raises:
+            RecordError (a ValueError): E above ``MAX_EXPERTS`` or top_k outside [1, E].
+        """
+        e, k = num_experts, top_k
+        if not 2 <= e <= MAX_EXPERTS or not 1 <= k <= e or num_layers < 1:
+            raise RecordError(f"xl-ans models 1 <= top_k <= num_experts, 2 <= num_experts <= {MAX_EXPERTS} and "
+                              f">= 1 MoE layer, got E={e}, K={k}, L={num_layers} (use xl-zstd)")
+        z = np.zeros
+        return cls(e, k, z((num_layers, 3, 2), np.int64), z((num_layers, e), np.int64),
+                   z((num_layers, e, e), np.int64), z((num_layers, joint_sets(e, k), e), np.int64))
+
+    @property
+    def num_layers(self) -> int:
+        return self.pop.shape[0]
+
+    def count(self, ids: np.ndarray) -> None:
+        """Add a record's routing, ids int [T, L, K] (all MoE layers, engine column order),
+        to the counts."""
+        ids = np.asarray(ids).astype(np.int64)
+        t, nl, k = ids.shape
+        e = self.num_experts
+        if nl != self.num_layers or k != self.top_k or t == 0:
+            return
+        rep = np.zeros((t, nl), dtype=bool)
+        rep[1:] = (ids[1:] == ids[:-1]).all(axis=2)
+        for lyr in range(nl):
+            f = rep[1:, lyr].astype(np.int64)
+            self.flags[lyr, NONE_CTX] += np.bincount(f, minlength=2)
+            if lyr:
+                ctx = rep[1:, lyr - 1].astype(np.int64)
+                self.flags[lyr, :2] += np.bincount(ctx * 2 + f, minlength=4).reshape(2, 2)
+            fresh = ~rep[:, lyr]
+            x = ids[fresh, lyr]                                          # [N, K]
+            self.pop[lyr] += np.bincount(x.ravel(), minlength=e)
+            if lyr:
+                u = ids[fresh, lyr - 1]
+                pairs = (u[:, :, None] * e + x[:, None, :]).ravel()
+                self.pair[lyr] += np.bincount(pairs, minlength=e * e).reshape(e, e)
+                if self.joint.shape[1]:
+                    c = np.repeat(set_index(u), k) * e + x.ravel()
+                    self.joint[lyr] += np.bincount(
+                        c, minlength=self.joint.shape[1] * e).reshape(-1, e)
+
+    def rows_counted(self) -> int:
+        """Token-layer rows counted so far (t >= 1 rows, summed over layers)."""
+        return int(self.flags[:, NONE_CTX].sum())
+
+    def frozen(self) -> "XlModel":
+        """A u16 copy, each table scaled down (floor) so its largest count is <= 65535."""
+        def q(a: np.ndarray) -> np.ndarray:
+            m = int(a.max()) if a.size else 0
+            if m > COUNT_MAX:
+                a = a * COUNT_MAX // m
+            return a.astype(np.uint16)
+        return XlModel(self.num_experts, self.top_k, q(self.flags), q(self.pop), q(self.pair),
+                       q(self.joint))
+
+    # -- model payload (docs/FORMAT.md "Model payload") ------------------------------------
+
+    def to_bytes(self) -> bytes:
+        """Model payload: varint L, E, K, then one zstd frame of the u16 LE tables
+        flags, pop, pair, joint (C-order)."""
+        from routereplay.sidecar.layout import varint
+        m = self.frozen()
+        body = b"".join(np.ascontiguousarray(a, dtype="<u2").tobytes()
+                        for a in (m.flags, m.pop, m.pair, m.joint))
+        return varint(self.num_layers) + varint(self.num_experts) + varint(self.top_k) + \
+            zstandard.ZstdCompressor(level=19).compress(body)
+
+    @classmethod
+    def from_bytes(cls, payload: bytes, num_layers: int, num_experts: int,
+                   top_k: int) -> "XlModel":
+        """Parse a model payload for a stream of L MoE layers, E experts, top-k K.
+
+        Raises:
+            SidecarError: L, E, K other than the stream's, E above ``MAX_EXPERTS``, or a
+                zstd frame that does not hold exactly the tables' bytes.
+        """
+        from routereplay.codec.layer_major import bounded_zstd_decompress
+        from routereplay.sidecar.layout import read_varint
+        buf = memoryview(payload)
+        try:
+            lm, pos = read_varint(buf, 0)
+            e, pos = read_varint(buf, pos)
+            k, pos = read_varint(buf, pos)
+        except Exception as exc:  # noqa: BLE001 - any parse failure is a corrupt model
+            raise SidecarError(f"xl-ans model payload does not parse: {exc}") from None
+        if (lm, e, k) != (num_layers, num_experts, top_k):
+            raise SidecarError(f"xl-ans model is for L={lm}, E={e}, K={k}; the stream has "
+                               f"L={num_layers}, E={num_experts}, K={top_k}")
+        if not (1 <= k <= e and 2 <= e <= MAX_EXPERTS):
+            raise SidecarError(f"xl-ans model for E={e}, K={k}: models need 1 <= K <= E, 2 <= E <= "
+                               f"{MAX_EXPERTS}")
+        c = joint_sets(e, k)
+        shapes = [(lm, 3, 2), (lm, e), (lm, e, e), (lm, c, e)]
+        n = sum(int(np.prod(s)) for s in shapes)
+        raw = bounded_zstd_decompress(bytes(buf[pos:]), 2 * n)
+        if len(raw) != 2 * n:
+            raise SidecarError(f"xl-ans model tables hold {len(raw)} bytes, expected {2 * n}")
+        arrs, off = [], 0
+        for s in shapes:
+            m = int(np.prod(s))
+            arrs.append(np.frombuffer(raw, dtype="<u2", count=m, offset=2 * off)
+                        .astype(np.int64).reshape(s))
+            off += m
+        return cls(e, k, *arrs)
+
+    # -- weights (docs/FORMAT.md "xl-ans") -------------------------------------------------
+
+    def flag_weights(self, lyr: int, ctx: int) -> np.ndarray:
+        """int64 [2]: weights of (fresh, repeat) at layer ``lyr`` in context ``ctx``."""
+        return self.flags[lyr, ctx].astype(np.int64) + 1
+
+    def id_weights(self, lyr: int, up: np.ndarray | None) -> np.ndarray:
+        """int64 [N, E]: weights (before exclusion) of a fresh row's ids at layer ``lyr``
+        given ``up`` int [N, K], the same tokens' ids at layer lyr - 1 (None: the
+        section's first layer)."""
+        e = self.num_experts
+        if up is None:
+            return np.broadcast_to(self.pop[lyr].astype(np.int64), (1, e))
+        pr = self.pair[lyr].astype(np.int64)                              # [E, E]
+        succ = ((pr + 1) * SCALE) // (pr.sum(axis=1, keepdims=True) + e)  # [E, E]
+        w = succ[up].sum(axis=1)                                          # [N, E]
+        if self.joint.shape[1]:
+            w = self.joint[lyr].astype(np.int64)[set_index(up)] * SCALE + SMOOTH * w
+        return w
+
+
+def _column_weights(base: np.ndarray, taken: np.ndarray) -> np.ndarray:
+    """base int64 [N, E] (or [1, E]), taken bool [N, E] -> weights base + 1, 1 where taken."""
+    return np.where(taken, 1, base + 1)
+
+
+def _plan(ids: np.ndarray, model: XlModel, l0: int):
+    """Yield, in decode order, (what, symbols int32 [n], weights int64 [n, m]) of a section
+    ids int64 [T, G, K] whose first layer is MoE layer ``l0``."""
+    t, g, k = ids.shape
+    e = model.num_experts
+    rep = np.zeros((t, g), dtype=bool)
+    rep[1:] = (ids[1:] == ids[:-1]).all(axis=2)
+    for lp in range(g):
+        lyr = l0 + lp
+        if t > 1:
+            ctx = rep[1:, lp - 1].astype(np.int64) if lp else np.full(t - 1, NONE_CTX)
+            fw = model.flags[lyr].astype(np.int64) + 1                  # [3, 2]
+            yield "flags", rep[1:, lp].astype(np.int32), fw[ctx]
+        fresh = np.nonzero(~rep[:, lp])[0]
+        if not fresh.size:
+            continue
+        x = ids[fresh, lp]
+        base = model.id_weights(lyr, ids[fresh, lp - 1] if lp else None)
+        taken = np.zeros((fresh.size, e), dtype=bool)
+        rows = np.arange(fresh.size)
+        for j in range(k):
+            yield "ids", x[:, j].astype(np.int32), _column_weights(base, taken)
+            taken[rows, x[:, j]] = True
+
+
+def encode(ids: np.ndarray, model: XlModel, l0: int) -> bytes:
+    """ids uint8 [T, G, K] (MoE layers l0 .. l0 + G - 1 of the stream) -> the ANS words of
+    an ``xl-ans`` section under ``model`` (without the section's model reference, which
+    routereplay.codec adds).
+
+    Raises:
+        RecordError (a ValueError): an id out of [0, E), a row repeating an expert, or
+            layers beyond the model's.
+    """
+    t, g, k = ids.shape
+    e = model.num_experts
+    if l0 < 0 or l0 + g > model.num_layers or k != model.top_k:
+        raise RecordError(f"xl-ans section of layers [{l0}, {l0 + g}) x top-{k} does not fit "
+                          f"a model of {model.num_layers} layers x top-{model.top_k}")
+    a = ids.astype(np.int64)
+    if a.size and (int(a.max()) >= e or int(a.min()) < 0):
+        raise RecordError(f"an expert id is outside [0, {e})")
+    if k > 1 and (np.sort(a, axis=2)[..., 1:] == np.sort(a, axis=2)[..., :-1]).any():
+        raise RecordError("a routing row repeats an expert")
+    steps = list(_plan(a, model, l0))
+    coder = constriction.stream.stack.AnsCoder()
+    coder.encode_reverse(np.array([ans.END_MARKER], dtype=np.int32), ans.marker_model())
+    for _, sym, w in reversed(steps):
+        coder.encode_reverse(sym, *ans.per_symbol(w))
+    return coder.get_compressed().astype("<u4").tobytes()
+
+
+def decode(data: bytes, shape: tuple[int, int, int], dtype: np.dtype, model: XlModel,
+           l0: int) -> np.ndarray:
+    """ANS words of an ``xl-ans`` section -> ids [T, G, K] of ``dtype`` (uint8).
+
+    Raises:
+        SidecarError: layers beyond the model's, a malformed ANS stack
+            (routereplay.codec.ans.Decoder), an id decoded twice in a row, a fresh row equal
+            to the row before it, or words left over.
+    """
+    t, g, k = shape
+    e = model.num_experts
+    if l0 < 0 or l0 + g > model.num_layers or k != model.top_k:
+        raise SidecarError(f"xl-ans section of layers [{l0}, {l0 + g}) x top-{k} does not fit "
+                           f"its model of {model.num_layers} layers x top-{model.top_k}")
+    if len(data) < least_bytes(g, k):
+        raise SidecarError(f"xl-ans section of {g} layers holds {len(data)} bytes, below the "
+                           f"reader's floor of {least_bytes(g, k)} ({BYTES_PER_CALL} per coder call)")
+    dec = ans.Decoder(data)
+    out = np.empty((t, g, k), dtype=np.int64)
+    rep_up = None
+    for lp in range(g):
+        lyr = l0 + lp
+        where = f"MoE layer {lyr}"
+        rep = np.zeros(t, dtype=bool)
+        if t > 1:
+            ctx = rep_up[1:].astype(np.int64) if lp else np.full(t - 1, NONE_CTX)
+            fw = model.flags[lyr].astype(np.int64) + 1
+            rep[1:] = dec.decode_rows(fw[ctx], where) == 1
+        fresh = np.nonzero(~rep)[0]
+        if fresh.size:
+            base = model.id_weights(lyr, out[fresh, lp - 1] if lp else None)
+            taken = np.zeros((fresh.size, e), dtype=bool)
+            rows = np.arange(fresh.size)
+            for j in range(k):
+                x = dec.decode_rows(_column_weights(base, taken), where).astype(np.int64)
+                if taken[rows, x].any():
+                    raise SidecarError(f"xl-ans section repeats an expert in a row at {where}")
+                taken[rows, x] = True
+                out[fresh, lp, j] = x
+        # NOTE: a repeated row copies the last fresh row before it (row 0 is always fresh)
+        src = np.maximum.accumulate(np.where(rep, 0, np.arange(t)))
+        out[:, lp] = out[src, lp]
+        if fresh.size > 1:
+            f = fresh[fresh > 0]
+            if (out[f, lp] == out[f - 1, lp]).all(axis=1).any():
+                raise SidecarError(f"xl-ans section codes a row as fresh that repeats the row "
+                                   f"before it at {where} (corrupt, or decoding past its data)")
+        rep_up = rep
+    dec.finish()
+    return out.astype(dtype)
