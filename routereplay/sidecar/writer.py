@@ -205,7 +205,7 @@ class SidecarWriter:
         self._learn = xl_ans.XlModel.empty(schema.num_moe_layers, schema.num_experts,
                                            schema.top_k) if codec == "xl-ans" else None
         self._model: tuple[int, xl_ans.XlModel] | None = None
-        self._model_rows = self._model_bytes = self._raw_bytes = 0
+        self._model_bytes = self._raw_bytes = 0
         self._next_model_rows = MODEL_FIRST_ROWS
         self._ids: set[str] = set()
         self._pos = 0
@@ -356,9 +356,9 @@ class SidecarWriter:
 
         NOTE: a model frame costs its bytes once and saves on every later record. The first
         is written once MODEL_FIRST_ROWS rows are counted and it takes at most
-        MODEL_FIRST_SHARE of the ids written so far (raw bytes, this record included); a new one (learned from 4x the rows) only
-        while all model frames together stay within MODEL_SHARE of those bytes; either only
-        where it pays for itself (below)."""
+        MODEL_FIRST_SHARE of the ids written so far (raw bytes, this record included); a
+        new one (learned from 4x the rows) only while all model frames together stay within
+        MODEL_SHARE of those bytes; either only where it pays for itself (below)."""
         assert self._learn is not None
         ids = record.expert_ids
         if self.column_order == "sorted":
@@ -388,8 +388,8 @@ class SidecarWriter:
                                                    s.top_k))
         # NOTE: worth it only if it saves its bytes: what it saves on this record (against
         # the model in use, or none; a record the model has not seen), times the records
-        # written so far (as many again are expected), must pay for the frame. Routing that has no cross-layer structure to
-        # learn gets no model frames.
+        # written so far (as many again are expected), must pay for the frame. Routing
+        # with no cross-layer structure to learn gets no model frames.
         saved = self._coded(record, self._model) - self._coded(record, model)
         if saved * (len(self._index) + 1) < frame:
             self._next_model_rows = 2 * rows
