@@ -6,7 +6,7 @@
 Routers of a trained model specialise (a token's experts depend on the token and on its
 experts in earlier layers); the routers of the demo's random-weight model do not, so its
 routing is nearly uniform and independent across layers. This script trains the built-in
-tiny Qwen3-MoE (routereplay/demo/tiny_model.py: 3 MoE layers, 16 experts, top-4), or with
+tiny Qwen3-MoE (routereplay/cli/demo/tiny_model.py: 3 MoE layers, 16 experts, top-4), or with
 ``--experts/--top-k/--moe-layers`` a fresh one of that shape (HF default init, same
 tokenizer), on text found on this machine (the Python standard library's sources: code,
 comments and docstrings) with next-token loss plus the usual load-balancing loss
@@ -60,7 +60,7 @@ def build_model(args):
     """The built-in tiny model (trained from its demo init), or a fresh one of another shape."""
     import torch
     from transformers import AutoTokenizer, Qwen3MoeForCausalLM
-    from routereplay.demo.tiny_model import ensure_tiny_model
+    from routereplay.cli.demo.tiny_model import ensure_tiny_model
     path = ensure_tiny_model()
     tok = AutoTokenizer.from_pretrained(path)
     model = Qwen3MoeForCausalLM.from_pretrained(path, torch_dtype=torch.float32)

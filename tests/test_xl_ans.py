@@ -115,7 +115,7 @@ def test_corrupt_words_and_mismatched_models_are_sidecar_errors():
 
 def test_writer_refuses_what_xl_ans_cannot_model():
     big = RoutingSchema(4, (0, 1, 2, 3), 8, 128)
-    with pytest.raises(ConfigError, match="at most 64 experts"):
+    with pytest.raises(ConfigError, match="2 to 64 experts"):
         SidecarWriter(None, big, codec="xl-ans")
     small = RoutingSchema(4, (0, 1, 2, 3), 2, 8)
     with pytest.raises(ConfigError, match="format_version 3"):
@@ -227,3 +227,65 @@ def test_no_model_frame_where_it_would_not_pay_for_itself():
 def xl_ans_first_rows() -> int:
     from routereplay.sidecar.writer import MODEL_FIRST_ROWS
     return MODEL_FIRST_ROWS
+
+
+def test_vllm_plugin_refuses_xl_ans_for_a_model_it_cannot_model_at_start_up(tmp_path):
+    """ROUTEREPLAY_CODEC=xl-ans with a 128-expert model fails when the plugin starts (the
+    schema given, or found when vLLM builds its input processor: check_codec), not on
+    every finished request (the framework review's finding)."""
+    from engine_patches.vllm.capture import Streamer
+    from routereplay.errors import RouteReplayError
+    big = RoutingSchema(4, (0, 1, 2, 3), 8, 128)
+    with pytest.raises(RouteReplayError, match="ROUTEREPLAY_CODEC='xl-ans'.*128"):
+        Streamer(str(tmp_path) + "/", codec="xl-ans", schema=big)
+    st = Streamer(str(tmp_path) + "/", codec="xl-ans")          # schema not known yet
+    st.schema = big
+    with pytest.raises(RouteReplayError, match="2 to 64 experts"):
+        st.check_codec()
+    ok = Streamer(str(tmp_path) + "/", codec="xl-ans", schema=RoutingSchema(4, (0, 1, 2, 3), 2, 8))
+    ok.check_codec()
+
+
+def test_convert_from_sidecar_reencodes_every_field(tmp_path):
+    """`convert --from sidecar` re-encodes a stream (here xl-zstd -> xl-ans): the schema
+    comes from the stream, and every record comes back with the same routing, token ids,
+    log-probs, prompt length and weight-version spans (the framework review found no CLI
+    path to an xl-ans stream from an existing one)."""
+    import dataclasses
+    from tests.conftest import random_record, run_py
+    src = _source(16, 8, 2)
+    rng = np.random.default_rng(4)
+    schema = RoutingSchema(16, tuple(range(16)), 2, 8)
+    recs = []
+    for i in range(40):
+        r = random_record(schema, f"q{i}", 601, i)
+        recs.append(dataclasses.replace(r, expert_ids=src.sample(rng, 600)[0]))
+    inp = tmp_path / "in.rrsc"
+    w = SidecarWriter(str(inp), schema, background=False)
+    for r in recs:
+        w.write(r)
+    w.close()
+    out = tmp_path / "out.rrsc"
+    p = run_py(["-m", "routereplay.cli", "convert", "--from", "sidecar", str(inp), "--out",
+                str(out), "--codec", "xl-ans", "--no-progress"], timeout=120)
+    assert p.returncode == 0, p.stderr
+    r = SidecarReader(str(out))
+    assert r.codec == "xl-ans" and r.schema == schema
+    for a in recs:
+        b = r.read(a.sample_id)
+        assert np.array_equal(b.expert_ids, a.expert_ids)
+        assert np.array_equal(b.token_ids, a.token_ids) and np.array_equal(b.logprobs, a.logprobs)
+        assert b.prompt_len == a.prompt_len and b.weight_versions == a.weight_versions
+    models = [fh for fh in _frames(out.read_bytes()) if fh.kind == KIND_MODEL]
+    assert models and out.stat().st_size < inp.stat().st_size
+    import json
+    p = run_py(["-m", "routereplay.cli", "inspect", str(out), "--json"], timeout=60)
+    got = json.loads(p.stdout)
+    assert p.returncode == 0 and got["model_frames"] == len(models)
+    assert got["model_frame_bytes"] == sum(24 + fh.payload_len for fh in models)
+    sections = sum(r.record_bytes(a.sample_id).routing for a in recs)
+    assert got["routing_bits_per_token_layer"] == pytest.approx(
+        8 * (sections + got["model_frame_bytes"]) / (40 * 600 * 16))
+    p = run_py(["-m", "routereplay.cli", "convert", "--from", "sidecar", str(inp), "--out",
+                str(tmp_path / "x.rrsc"), "--num-experts", "8"], timeout=60)
+    assert p.returncode != 0 and "takes the routing schema from the input" in p.stderr

@@ -106,11 +106,7 @@ class Streamer:
             RouteReplayError: a local destination whose folder does not exist, a '#' in
                 the path, or an unknown codec (``ROUTEREPLAY_CODEC``).
         """
-        from routereplay.sidecar import writer_codec
-        try:
-            writer_codec(self.codec)                # the plugin writes engine column order
-        except ValueError as e:
-            raise RouteReplayError(f"{ENV_CODEC}={self.codec!r}: {e}") from None
+        self.check_codec()
         d = self.dest_spec
         if "#" in d:
             raise RouteReplayError(f"{ENV_SIDECAR}={d!r}: a stream path may not contain '#'")
@@ -123,6 +119,19 @@ class Streamer:
         if not os.path.isdir(parent):
             raise RouteReplayError(f"{ENV_SIDECAR}={d!r}: folder {parent} does not exist")
         return d
+
+    def check_codec(self) -> None:
+        """``ROUTEREPLAY_CODEC`` against the plugin's column order (engine) and, once known,
+        the schema (``xl-ans`` models at most 64 experts).
+
+        Raises:
+            RouteReplayError: naming the variable and why.
+        """
+        from routereplay.sidecar import writer_codec
+        try:
+            writer_codec(self.codec, schema=self.schema)
+        except ValueError as e:
+            raise RouteReplayError(f"{ENV_CODEC}={self.codec!r}: {e}") from None
 
     def _path(self, seq: int) -> str:
         """Stream ``seq`` of this process: the base path, then ``<stem>.<seq:04d><ext>``."""
@@ -312,6 +321,8 @@ def install(dest: str, *, reference: bool = False, codec: str | None = None,
                                                          or mc.hf_config)
             except RouteReplayError as e:
                 log.error("routereplay: %s: routing is not streamed", e)
+        if st.schema is not None:
+            st.check_codec()        # NOTE: at start-up, not on the first finished request
 
     def from_new_request(cls, tokenizer, request, *a, **k):
         state = orig_from_new(cls, tokenizer, request, *a, **k)

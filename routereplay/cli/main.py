@@ -138,6 +138,11 @@ def _cmd_inspect(a: argparse.Namespace) -> int:
                 out["records"].append({
                     "sample_id": m.sample_id, "num_tokens": m.num_tokens,
                     "versions": sorted(set(m.versions())), **({"stream": rd.name} if multi else {})})
+            # NOTE: xl-ans model frames are routing data shared by the records after them
+            frames = rd.model_frames
+            routing_bytes += sum(frames.values())
+            out["model_frames"] = out.get("model_frames", 0) + len(frames)
+            out["model_frame_bytes"] = out.get("model_frame_bytes", 0) + sum(frames.values())
             errors = list(rd.errors)
             if not rd.complete:
                 errors.append(f"stream is not complete: no index and trailer (its writer is "
@@ -177,7 +182,10 @@ def _emit_inspect(out: dict, as_json: bool, rc: int) -> int:
           f"MoE layers {out.get('num_layers', '?')}, bytes {out['bytes']}"
           + (f", {out['bits_per_token_layer']:.3f} bits per token-layer (whole file: token "
              f"ids, log-probs and framing included), {out['routing_bits_per_token_layer']:.3f} "
-             "in routing sections" if out["bits_per_token_layer"] else ""))
+             "in routing sections" + (f" and {out['model_frames']} xl-ans model frames "
+                                      f"({out['model_frame_bytes']} bytes)"
+                                      if out.get("model_frames") else "")
+             if out["bits_per_token_layer"] else ""))
     if "codec" in out:
         print(f"format v{out['format_version']}, codec {out['codec']}, column order "
               f"{out['column_order']}, weight versions {out['versions']}"
@@ -249,21 +257,38 @@ def _replace_atomically(dest: str, write) -> None:
 
 
 def _cmd_convert(a: argparse.Namespace) -> int:
-    from routereplay.convert import iter_records, schema_from_args
+    from routereplay.convert import schema_from_args
     from routereplay.errors import SchemaError
-    from routereplay.sidecar import SidecarWriter, writer_codec
+    from routereplay.sidecar import writer_codec
+    given = a.config is not None or any(x is not None for x in (a.num_experts, a.top_k,
+                                                                 a.moe_layers, a.num_layers))
+    if a.kind == "sidecar":
+        # NOTE: re-encoding a stream (another codec, geometry or format version): the
+        # schema, token ids, log-probs and spans come from the stream itself
+        if given:
+            raise UsageError("--from sidecar takes the routing schema from the input stream: "
+                             "leave out --config/--num-experts/--top-k/--moe-layers/--num-layers")
+        return _convert(a, None)
     if a.config is None and (a.num_experts is None or a.top_k is None
                              or (a.moe_layers is None and a.num_layers is None)):
         raise UsageError("give --config (HF config folder or config.json) or --num-experts, "
                          "--top-k and --moe-layers or --num-layers")
     try:
         schema = schema_from_args(a.config, a.num_experts, a.top_k, a.moe_layers, a.num_layers)
-        writer_codec(a.codec, a.column_order, a.format_version)
+        writer_codec(a.codec, a.column_order, a.format_version, schema)
     except (SchemaError, ConfigError) as e:
         where = "--config " + a.config if a.config else "--num-experts/--top-k/--moe-layers"
         if isinstance(e, SchemaError) and a.config:
             raise SchemaError(f"{a.config}: {e}") from None
         raise UsageError(f"{where if isinstance(e, SchemaError) else '--codec'}: {e}") from None
+    return _convert(a, schema)
+
+
+def _convert(a: argparse.Namespace, schema) -> int:
+    """convert's reading and writing, once the arguments are checked (``schema`` None:
+    ``--from sidecar``, the input stream's)."""
+    from routereplay.convert import iter_records
+    from routereplay.sidecar import SidecarReader, SidecarWriter, writer_codec
     if "://" not in a.input:
         if not os.path.exists(a.input):
             raise RouteReplayError(f"input {a.input} does not exist")
@@ -281,7 +306,21 @@ def _cmd_convert(a: argparse.Namespace) -> int:
     n = tokens = 0
     # NOTE: records are written as they are read; on a bad sample the writer still closes
     # (index + trailer), so every sample before it stays readable.
-    if a.kind == "sglang-json":
+    reader = None
+    if a.kind == "sidecar":
+        reader = SidecarReader(a.input)
+        schema = reader.schema
+        try:
+            writer_codec(a.codec, a.column_order, a.format_version, schema)
+        except ConfigError as e:
+            reader.close()
+            raise UsageError(f"--codec: {e}") from None
+        if reader.column_order == "sorted" and a.column_order != "sorted":
+            reader.close()
+            raise UsageError(f"{a.input} stores rows in sorted column order, which is not the "
+                             "engine's: pass --column-order sorted")
+        records = reader.records()
+    elif a.kind == "sglang-json":
         from engine_patches.sglang.records import iter_jsonl   # lazy: engine side
         records = iter_jsonl(a.input, schema, num_fused_shared_experts=a.num_fused_shared_experts)
     else:
@@ -301,6 +340,8 @@ def _cmd_convert(a: argparse.Namespace) -> int:
         raise (UsageError if isinstance(e, ConfigError) else RouteReplayError)(
             msg if a.input in msg else f"{a.input}: {msg}") from None
     finally:
+        if reader is not None:
+            reader.close()
         if local and os.path.exists(dest):
             try:
                 if n:
@@ -472,9 +513,11 @@ def build_parser() -> argparse.ArgumentParser:
     c = sub.add_parser("convert", parents=[common],
                        help="engine routing arrays or wire payloads -> sidecar")
     c.add_argument("--from", dest="kind", required=True,
-                   choices=["npy", "vllm", "vllm-b64", "sglang-b64", "sglang-json"])
+                   choices=["npy", "vllm", "vllm-b64", "sglang-b64", "sglang-json", "sidecar"])
     c.add_argument("input", help=".npy / .npz / folder (npy, vllm), a text/JSONL file (*-b64), "
-                                 "or saved SGLang responses, one JSON object per line (sglang-json)")
+                                 "saved SGLang responses, one JSON object per line (sglang-json), "
+                                 "or a sidecar stream to re-encode with another codec or "
+                                 "geometry (sidecar: schema and every record field kept)")
     c.add_argument("--out", required=True, help="sidecar path or fsspec URL")
     c.add_argument("--config", help="HF config folder or config.json giving the routing schema")
     c.add_argument("--num-experts", type=_positive_int)
@@ -485,10 +528,13 @@ def build_parser() -> argparse.ArgumentParser:
                    help="num_hidden_layers (default: max MoE layer + 1)")
     c.add_argument("--codec", default=None, choices=CODECS,
                    help="routing codec (default xl-zstd, ctx-zstd with --format-version 2; "
-                        "ctx-ans-sorted with --column-order sorted; ctx-ans: smallest, slower)")
+                        "ctx-ans-sorted with --column-order sorted; xl-ans: smallest on routing "
+                        "whose layers depend on each other, E <= 64, ~10 MB/s; ctx-ans: small, "
+                        "slower)")
     c.add_argument("--column-order", default="engine", choices=["engine", "sorted"])
     c.add_argument("--layer-group", type=_positive_int, default=None,
-                   help="MoE layers per routing section (default 1; format 2: 4)")
+                   help="MoE layers per routing section (default 1; xl-ans: 8 for records "
+                        "coded with a model; format 2: 4)")
     c.add_argument("--token-block", type=_positive_int, default=512,
                    help="tokens per routing section of records over 64 KiB of ids (default 512)")
     c.add_argument("--format-version", type=int, choices=[2, 3], default=3,

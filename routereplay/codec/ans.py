@@ -47,14 +47,23 @@ def model(weights: np.ndarray):
         (frequencies(weights) - 1).astype(np.float64), perfect=False)
 
 
-def per_symbol(weights: np.ndarray) -> tuple:
-    """(model family, parameters) for symbols of their own models: weights int64 [n, m]
-    (one row of integer weights per symbol) -> constriction's Categorical family and the
-    float64 [n, m] parameters whose frequencies are exactly ``frequencies(weights)``."""
+def family():
+    """constriction's Categorical model family (per-symbol parameters float64 [n, m], each
+    row ``frequencies(weights) - 1`` for exact frequencies)."""
     global _FAMILY
     if _FAMILY is None:
         _FAMILY = constriction.stream.model.Categorical(perfect=False)
-    return _FAMILY, (frequencies(weights) - 1).astype(np.float64)
+    return _FAMILY
+
+
+def contiguous(params: np.ndarray) -> np.ndarray:
+    """Per-symbol parameters as a C-contiguous float64 array.
+
+    NOTE: constriction 0.4 reads a non-contiguous array (e.g. a broadcast view's copy made
+    by ``astype``, which keeps its strides) as if it were contiguous, silently: encoder
+    and decoder then agree with each other but not with the spec (found by
+    tests/spec_reader.py)."""
+    return np.ascontiguousarray(params, dtype=np.float64)
 
 
 def marker_model():
@@ -89,14 +98,13 @@ class Decoder:
             raise SidecarError(f"ANS section ends early, at {where}")
         return self._coder.decode(model(weights), count)
 
-    def decode_rows(self, weights: np.ndarray, where: str) -> np.ndarray:
-        """One symbol per row of ``weights`` int64 [n, m] (each row its own model) -> int32 [n]."""
-        if weights.shape[0] == 0:
+    def decode_params(self, params: np.ndarray, where: str) -> np.ndarray:
+        """One symbol per row of ``params`` float64 [n, m] (:func:`family` parameters)."""
+        if params.shape[0] == 0:
             return np.zeros(0, dtype=np.int32)
         if self._empty():
             raise SidecarError(f"ANS section ends early, at {where}")
-        fam, params = per_symbol(weights)
-        return self._coder.decode(fam, params)
+        return self._coder.decode(family(), contiguous(params))
 
     def _empty(self) -> bool:
         # NOTE: state 0 and every word consumed (num_words counts both); constriction's

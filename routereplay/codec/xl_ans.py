@@ -233,54 +233,132 @@ class XlModel:
             off += m
         return cls(e, k, *arrs)
 
-    # -- weights (docs/FORMAT.md "xl-ans") -------------------------------------------------
-
-    def flag_weights(self, lyr: int, ctx: int) -> np.ndarray:
-        """int64 [2]: weights of (fresh, repeat) at layer ``lyr`` in context ``ctx``."""
-        return self.flags[lyr, ctx].astype(np.int64) + 1
-
-    def id_weights(self, lyr: int, up: np.ndarray | None) -> np.ndarray:
-        """int64 [N, E]: weights (before exclusion) of a fresh row's ids at layer ``lyr``
-        given ``up`` int [N, K], the same tokens' ids at layer lyr - 1 (None: the
-        section's first layer)."""
-        e = self.num_experts
-        if up is None:
-            return np.broadcast_to(self.pop[lyr].astype(np.int64), (1, e))
-        pr = self.pair[lyr].astype(np.int64)                              # [E, E]
-        succ = ((pr + 1) * SCALE) // (pr.sum(axis=1, keepdims=True) + e)  # [E, E]
-        w = succ[up].sum(axis=1)                                          # [N, E]
-        if self.joint.shape[1]:
-            w = self.joint[lyr].astype(np.int64)[set_index(up)] * SCALE + SMOOTH * w
-        return w
-
 
 def _column_weights(base: np.ndarray, taken: np.ndarray) -> np.ndarray:
     """base int64 [N, E] (or [1, E]), taken bool [N, E] -> weights base + 1, 1 where taken."""
     return np.where(taken, 1, base + 1)
 
 
+def _params(weights: np.ndarray) -> np.ndarray:
+    """Integer weights int64 [..., E] -> constriction parameters int32 [..., E]
+    (``ans.frequencies - 1``: exact in float64, see routereplay.codec.ans)."""
+    return (ans.frequencies(weights) - 1).astype(np.int32)
+
+
+class _Tables:
+    """What a model's weights need, computed once per model (they depend on the context
+    only): per-layer successor rows, and the coder parameters of every context whose
+    count is small: repeat flags [L, 3, 2]; a section's first layer, columns 0 and 1
+    [L, E] / [L, E, E]; with a joint table, columns 0 and 1 of each expert set [L, C, E] /
+    [L, C, E, E] (column 1 given column 0's id). Other columns are computed per row.
+
+    NOTE: building the frequencies (ans.frequencies) of every row's weights took about
+    half of the decode time; contexts repeat across rows and records.
+    """
+
+    def __init__(self, m: XlModel):
+        e, k, c = m.num_experts, m.top_k, m.joint.shape[1]
+        nl = m.num_layers
+        self.flags = _params(m.flags.astype(np.int64) + 1)                       # [L, 3, 2]
+        pr = m.pair.astype(np.int64)
+        self.succ = ((pr + 1) * SCALE) // (pr.sum(axis=2, keepdims=True) + e)    # [L, E, E]
+        self.pop = m.pop.astype(np.int64)                                       # [L, E]
+        self.pop0 = _params(self.pop + 1)
+        self.pop1 = _params(_exclude_one(self.pop)) if k > 1 else None        # [L, E, E]
+        self.joint = None
+        if c:
+            members = _set_members(e, k)                                        # [C, K]
+            s = self.succ[:, members].sum(axis=2)                               # [L, C, E]
+            self.joint = m.joint.astype(np.int64) * SCALE + SMOOTH * s          # [L, C, E]
+            self.joint0 = _params(self.joint + 1)
+            self.joint1 = None
+            if k > 1 and nl * c * e * e <= JOINT1_LIMIT:
+                self.joint1 = _params(_exclude_one(self.joint))                 # [L, C, E, E]
+
+    def first(self, lyr: int, n: int) -> tuple[np.ndarray, np.ndarray | None, np.ndarray | None]:
+        """(base int64 [1, E], column-0 params [n, E], column-1 table [E, E] or None)."""
+        p0 = np.broadcast_to(self.pop0[lyr], (n, self.pop0.shape[1]))
+        return self.pop[lyr][None], p0, None if self.pop1 is None else self.pop1[lyr]
+
+    def given(self, lyr: int, up: np.ndarray):
+        """Rows with ids ``up`` int [N, K] one layer up -> (base int64 [N, E], column-0
+        params [N, E] or None, column-1 params of each row given its column 0
+        [N, E(x0), E] or None)."""
+        if self.joint is None:
+            return self.succ[lyr][up].sum(axis=1), None, None
+        c = set_index(up)
+        return self.joint[lyr][c], self.joint0[lyr][c], \
+            None if self.joint1 is None else self.joint1[lyr][c]
+
+
+JOINT1_LIMIT = 1 << 21      # entries of a joint column-1 table kept (int32: 8 MiB)
+
+
+def _exclude_one(base: np.ndarray) -> np.ndarray:
+    """base int64 [..., E] -> weights [..., E(x0), E]: base + 1, and 1 at x0."""
+    e = base.shape[-1]
+    w = np.repeat((base + 1)[..., None, :], e, axis=-2)
+    idx = np.arange(e)
+    w[..., idx, idx] = 1
+    return w
+
+
+def _set_members(e: int, k: int) -> np.ndarray:
+    """int64 [C, K]: the sets of K of E experts, ascending, in set_index order."""
+    from itertools import combinations
+    sets = np.array(list(combinations(range(e), k)), dtype=np.int64).reshape(-1, k)
+    out = np.empty_like(sets)
+    out[set_index(sets)] = sets
+    return out
+
+
+def _tables(model: XlModel) -> _Tables:
+    t = model.__dict__.get("_tables")
+    if t is None:
+        t = model.__dict__["_tables"] = _Tables(model)
+    return t
+
+
+def _layer_columns(tab: _Tables, lyr: int, up: np.ndarray | None, n: int):
+    """A layer's fresh rows -> a function (j, taken bool [n, E], x0 int [n] | None) giving
+    the coder parameters float64 [n, E] of column j."""
+    if up is None:
+        base, p0, p1 = tab.first(lyr, n)
+    else:
+        base, p0, p1 = tab.given(lyr, up)
+    rows = np.arange(n)
+
+    def params(j: int, taken: np.ndarray, x0: np.ndarray | None) -> np.ndarray:
+        if j == 0 and p0 is not None:
+            return np.ascontiguousarray(p0, dtype=np.float64)
+        if j == 1 and p1 is not None:
+            return (p1[x0] if p1.ndim == 2 else p1[rows, x0]).astype(np.float64)
+        return (ans.frequencies(_column_weights(base, taken)) - 1).astype(np.float64)
+    return params
+
+
 def _plan(ids: np.ndarray, model: XlModel, l0: int):
-    """Yield, in decode order, (what, symbols int32 [n], weights int64 [n, m]) of a section
-    ids int64 [T, G, K] whose first layer is MoE layer ``l0``."""
+    """Yield, in decode order, (what, symbols int32 [n], params float64 [n, m]) of a
+    section ids int64 [T, G, K] whose first layer is MoE layer ``l0``."""
     t, g, k = ids.shape
     e = model.num_experts
+    tab = _tables(model)
     rep = np.zeros((t, g), dtype=bool)
     rep[1:] = (ids[1:] == ids[:-1]).all(axis=2)
     for lp in range(g):
         lyr = l0 + lp
         if t > 1:
             ctx = rep[1:, lp - 1].astype(np.int64) if lp else np.full(t - 1, NONE_CTX)
-            fw = model.flags[lyr].astype(np.int64) + 1                  # [3, 2]
-            yield "flags", rep[1:, lp].astype(np.int32), fw[ctx]
+            yield "flags", rep[1:, lp].astype(np.int32), tab.flags[lyr][ctx].astype(np.float64)
         fresh = np.nonzero(~rep[:, lp])[0]
         if not fresh.size:
             continue
         x = ids[fresh, lp]
-        base = model.id_weights(lyr, ids[fresh, lp - 1] if lp else None)
+        params = _layer_columns(tab, lyr, ids[fresh, lp - 1] if lp else None, fresh.size)
         taken = np.zeros((fresh.size, e), dtype=bool)
         rows = np.arange(fresh.size)
         for j in range(k):
-            yield "ids", x[:, j].astype(np.int32), _column_weights(base, taken)
+            yield "ids", x[:, j].astype(np.int32), params(j, taken, x[:, 0])
             taken[rows, x[:, j]] = True
 
 
@@ -306,8 +384,8 @@ def encode(ids: np.ndarray, model: XlModel, l0: int) -> bytes:
     steps = list(_plan(a, model, l0))
     coder = constriction.stream.stack.AnsCoder()
     coder.encode_reverse(np.array([ans.END_MARKER], dtype=np.int32), ans.marker_model())
-    for _, sym, w in reversed(steps):
-        coder.encode_reverse(sym, *ans.per_symbol(w))
+    for _, sym, p in reversed(steps):
+        coder.encode_reverse(sym, ans.family(), ans.contiguous(p))
     return coder.get_compressed().astype("<u4").tobytes()
 
 
@@ -329,6 +407,7 @@ def decode(data: bytes, shape: tuple[int, int, int], dtype: np.dtype, model: XlM
         raise SidecarError(f"xl-ans section of {g} layers holds {len(data)} bytes, below the "
                            f"reader's floor of {least_bytes(g, k)} ({BYTES_PER_CALL} per coder call)")
     dec = ans.Decoder(data)
+    tab = _tables(model)
     out = np.empty((t, g, k), dtype=np.int64)
     rep_up = None
     for lp in range(g):
@@ -337,19 +416,21 @@ def decode(data: bytes, shape: tuple[int, int, int], dtype: np.dtype, model: XlM
         rep = np.zeros(t, dtype=bool)
         if t > 1:
             ctx = rep_up[1:].astype(np.int64) if lp else np.full(t - 1, NONE_CTX)
-            fw = model.flags[lyr].astype(np.int64) + 1
-            rep[1:] = dec.decode_rows(fw[ctx], where) == 1
+            rep[1:] = dec.decode_params(tab.flags[lyr][ctx].astype(np.float64), where) == 1
         fresh = np.nonzero(~rep)[0]
         if fresh.size:
-            base = model.id_weights(lyr, out[fresh, lp - 1] if lp else None)
+            params = _layer_columns(tab, lyr, out[fresh, lp - 1] if lp else None, fresh.size)
             taken = np.zeros((fresh.size, e), dtype=bool)
             rows = np.arange(fresh.size)
+            x0 = None
             for j in range(k):
-                x = dec.decode_rows(_column_weights(base, taken), where).astype(np.int64)
+                x = dec.decode_params(params(j, taken, x0), where).astype(np.int64)
                 if taken[rows, x].any():
                     raise SidecarError(f"xl-ans section repeats an expert in a row at {where}")
                 taken[rows, x] = True
                 out[fresh, lp, j] = x
+                if j == 0:
+                    x0 = x
         # NOTE: a repeated row copies the last fresh row before it (row 0 is always fresh)
         src = np.maximum.accumulate(np.where(rep, 0, np.arange(t)))
         out[:, lp] = out[src, lp]

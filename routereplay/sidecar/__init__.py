@@ -22,7 +22,8 @@ evaluated.
 from routereplay.sidecar.layout import (COLUMN_ORDERS, DEFAULT_LAYER_GROUP,
                                         DEFAULT_ONE_SECTION_BYTES, DEFAULT_TOKEN_BLOCK,
                                         FORMAT_VERSION, FRAME_HEADER_SIZE, FRAME_MAGIC,
-                                        KIND_INDEX, KIND_RECORD, MAGIC, MAX_FRAME_BYTES,
+                                        KIND_INDEX, KIND_MODEL, KIND_RECORD, MAGIC,
+                                        MAX_FRAME_BYTES,
                                         MAX_JSON_BYTES, MAX_TOKENS, READABLE_VERSIONS,
                                         TRAILER_MAGIC, WRITABLE_VERSIONS, crc32, encode_frame,
                                         encode_header)
@@ -36,6 +37,6 @@ _crc = crc32          # NOTE: pre-0.2 private name, still used by external test 
 __all__ = ["SidecarWriter", "SidecarReader", "MultiSidecarReader", "open_sidecar", "FrameInfo", "RecordBytes", "RecordMeta", "Section",
            "write_records", "writer_codec", "encode_header", "encode_frame",
            "encode_record_payload", "crc32", "MAGIC", "FORMAT_VERSION", "READABLE_VERSIONS",
-           "COLUMN_ORDERS", "FRAME_MAGIC", "TRAILER_MAGIC", "KIND_RECORD", "KIND_INDEX",
+           "COLUMN_ORDERS", "FRAME_MAGIC", "TRAILER_MAGIC", "KIND_RECORD", "KIND_INDEX", "KIND_MODEL",
            "FRAME_HEADER_SIZE", "MAX_JSON_BYTES", "MAX_FRAME_BYTES", "DEFAULT_LAYER_GROUP",
            "DEFAULT_TOKEN_BLOCK", "DEFAULT_ONE_SECTION_BYTES", "WRITABLE_VERSIONS", "MAX_TOKENS"]

@@ -9,12 +9,13 @@ from __future__ import annotations
 
 import glob as _glob
 import os
+import threading
 from typing import Any, BinaryIO, Iterator, Sequence, Union
 
 from routereplay.errors import ConfigError, SidecarError, UnknownSampleError
 from routereplay.record import RoutingRecord
 from routereplay.schema import RoutingSchema
-from routereplay.sidecar.reader import FrameInfo, SidecarReader
+from routereplay.sidecar.reader import FrameInfo, SidecarReader, _serialized
 from routereplay.source import Rows
 
 Stream = Union[str, os.PathLike, bytes, BinaryIO]
@@ -51,6 +52,7 @@ class MultiSidecarReader:
     """
 
     def __init__(self, sources: Stream | Sequence[Stream]):
+        self._lock = threading.RLock()
         if isinstance(sources, (str, os.PathLike, bytes, bytearray, memoryview)) \
                 or hasattr(sources, "read"):
             sources = [sources]                                       # type: ignore[list-item]
@@ -134,6 +136,7 @@ class MultiSidecarReader:
                                    f"{r.name} (sample ids must be unique across the streams "
                                    "read as one)", sample_id=sid)
 
+    @_serialized
     def refresh(self) -> bool:
         """Pick up records appended to live streams (each scanned incrementally) and
         streams that appeared in a folder or glob. Returns True when anything was added.
@@ -150,6 +153,7 @@ class MultiSidecarReader:
         self._open_new()
         return (len(self.readers), len(self._owner)) != before
 
+    @_serialized
     def stream_of(self, sample_id: str) -> str:
         """The name (path or URL) of the stream holding ``sample_id``.
 
@@ -172,6 +176,7 @@ class MultiSidecarReader:
         return r
 
     # -- the reader's API
+    @_serialized
     def sample_ids(self) -> list[str]:
         """Sample ids of every stream, stream by stream in order."""
         for r in self.readers:
@@ -180,9 +185,11 @@ class MultiSidecarReader:
                 break
         return [sid for r in self.readers for sid in r.sample_ids()]
 
+    @_serialized
     def __len__(self) -> int:
         return len(self.sample_ids())
 
+    @_serialized
     def __contains__(self, sample_id: object) -> bool:
         try:
             self._reader(sample_id)           # type: ignore[arg-type]
@@ -190,10 +197,12 @@ class MultiSidecarReader:
             return False
         return True
 
+    @_serialized
     def read(self, sample_id: str, **kw: Any) -> RoutingRecord:
         """:meth:`SidecarReader.read` on the stream holding ``sample_id``."""
         return self._reader(sample_id).read(sample_id, **kw)
 
+    @_serialized
     def fetch(self, sample_id: str, moe_layers: Sequence[int],
               runs: Sequence[tuple[int, int]]) -> list[Rows]:
         """:meth:`routereplay.source.RoutingSource.fetch` on the stream holding the sample."""
@@ -204,11 +213,13 @@ class MultiSidecarReader:
         for r in self.readers:
             yield from r.records(strict=strict, **kw)
 
+    @_serialized
     def scan(self) -> list[tuple[SidecarReader, FrameInfo]]:
         """(stream, frame) for every record frame of every stream (see
         :meth:`SidecarReader.scan`)."""
         return [(r, fi) for r in self.readers for fi in r.scan()]
 
+    @_serialized
     def check(self, *, torn_ok: bool = True) -> None:
         """:meth:`SidecarReader.check` on every stream; an empty stream still pending is a
         problem unless ``torn_ok``."""
@@ -233,6 +244,7 @@ class MultiSidecarReader:
         """Bytes of all streams."""
         return sum(r.size for r in self.readers)
 
+    @_serialized
     def close(self) -> None:
         """Close every stream."""
         for r in self.readers:

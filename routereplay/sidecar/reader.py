@@ -16,9 +16,11 @@ from __future__ import annotations
 
 import bisect
 import dataclasses
+import functools
 import io
 import os
 import stat
+import threading
 from typing import Any, BinaryIO, Iterator, Sequence
 
 import numpy as np
@@ -157,6 +159,16 @@ def valid_frame_headers(chunk: bytes) -> np.ndarray:
     return cand[crc == stored]
 
 
+def _serialized(fn):
+    """A SidecarReader method run under the reader's lock (one seek-and-read file position,
+    scan state and caches shared by every caller)."""
+    @functools.wraps(fn)
+    def wrapper(self, *a, **k):
+        with self._lock:
+            return fn(self, *a, **k)
+    return wrapper
+
+
 class SidecarReader:
     """Read a sidecar stream lazily.
 
@@ -180,12 +192,17 @@ class SidecarReader:
     (called on every lookup of an id not seen yet) scans only the bytes appended since,
     from the last complete frame on: nothing already scanned is scanned again.
 
+    Thread-safe: one lock serializes its methods (they share a file position, the scan
+    state and the caches), so a trainer's prefetch thread and its caller may share a reader;
+    reads from several threads take turns.
+
     Raises:
         SidecarError: not a regular file (a FIFO would block), wrong magic, unsupported
             format version, corrupt header (the message names the stream).
     """
 
     def __init__(self, source: str | os.PathLike | bytes | BinaryIO):
+        self._lock = threading.RLock()
         self._own = True
         self._path: str | None = None
         self._ident: tuple[int, int] | None = None
@@ -259,6 +276,7 @@ class SidecarReader:
         self._header_bytes = self._read(0, hdr.size)
         self._scan_pos = hdr.size
         self._models: dict[int, Any] = {}                     # xl-ans: frame offset -> model
+        self._model_frames: dict[int, int] = {}               # found by scans: offset -> bytes
         self._load_index()
 
     # -- header / index
@@ -335,6 +353,13 @@ class SidecarReader:
                                offset=off)
         return fh, payload
 
+    @property
+    def model_frames(self) -> dict[int, int]:
+        """``xl-ans`` model frames found by :meth:`scan` so far: frame offset -> its bytes
+        (frame header included). Routing data shared by the records after it; a corrupt
+        one is reported in :attr:`errors` and makes the sections that name it unreadable."""
+        return dict(self._model_frames)
+
     def _model_at(self, off: int) -> Any:
         """The xl-ans model of the model frame at ``off`` (read, checked, cached: the last
         MODEL_CACHE models).
@@ -371,6 +396,7 @@ class SidecarReader:
         return m
 
     # -- scanning
+    @_serialized
     def scan(self) -> list[FrameInfo]:
         """Walk the frames not scanned yet (all of them on the first call; on a live stream,
         those appended since); fills :attr:`errors` and :attr:`torn_tail`. On a complete
@@ -429,6 +455,7 @@ class SidecarReader:
                 else:
                     self._keep(fi)
             elif fh.kind == KIND_MODEL:
+                self._model_frames[off] = FRAME_HEADER_SIZE + fh.payload_len
                 try:
                     self._model_at(off)
                 except SidecarError as e:
@@ -582,6 +609,7 @@ class SidecarReader:
             pos += len(chunk) - FRAME_HEADER_SIZE + 1
         return None
 
+    @_serialized
     def check(self, *, torn_ok: bool = True) -> None:
         """Raise unless every frame scanned so far is readable: for a consumer that lists
         :meth:`sample_ids` (readable records only) and must not skip a corrupt one.
@@ -629,6 +657,7 @@ class SidecarReader:
                                "opened it (rewritten in place)")
         return size
 
+    @_serialized
     def refresh(self) -> bool:
         """Pick up what a writer appended since the last scan (a live stream), scanning only
         the new bytes. Returns True when the stream grew.
@@ -650,6 +679,7 @@ class SidecarReader:
         return True
 
     # -- access
+    @_serialized
     def sample_ids(self) -> list[str]:
         """Sample ids of readable records, in stream order (the index of a complete stream;
         otherwise a scan, which on a live stream picks up records appended since)."""
@@ -659,9 +689,11 @@ class SidecarReader:
             self.refresh()
         return [fi.sample_id for fi in self.scan() if fi.meta is not None]
 
+    @_serialized
     def __len__(self) -> int:
         return len(self.sample_ids())
 
+    @_serialized
     def __contains__(self, sample_id: object) -> bool:
         try:
             self._locate(sample_id)       # type: ignore[arg-type]
@@ -695,6 +727,7 @@ class SidecarReader:
                                f"corrupt ({bad.error})", offset=bad.offset, sample_id=sample_id)
         raise UnknownSampleError(f"sample {sample_id!r} not in sidecar {self.name}", sample_id)
 
+    @_serialized
     def read(self, sample_id: str, *, moe_layers: Sequence[int] | None = None,
              tokens: tuple[int, int] | None = None, arrays: bool = True,
              layers: Sequence[int] | None = None) -> RoutingRecord:
@@ -745,6 +778,7 @@ class SidecarReader:
             recomputed=list(meta.recomputed), prefix_cached=list(meta.prefix_cached),
             engine=meta.engine)
 
+    @_serialized
     def fetch(self, sample_id: str, moe_layers: Sequence[int],
               runs: Sequence[tuple[int, int]]) -> list[Rows]:
         """:meth:`routereplay.source.RoutingSource.fetch`.
@@ -764,6 +798,7 @@ class SidecarReader:
         return [(ids, meta.start + a) for ids, (a, _) in
                 zip(self._assemble(meta, sections, want, rows, off), rows)]
 
+    @_serialized
     def record_bytes(self, sample_id: str) -> RecordBytes:
         """Bytes one record takes in the stream, by part, from its stored section lengths
         (nothing is decompressed; version 3 reads the head and the section table only).
@@ -1106,6 +1141,7 @@ class SidecarReader:
                 raise SidecarError(f"frame at offset {offset}: {e}", offset=offset,
                                    sample_id=meta.sample_id) from None
 
+    @_serialized
     def close(self) -> None:
         """Close the underlying file (when the reader opened it)."""
         if self._own:

@@ -40,7 +40,8 @@ MODEL_REFRESH = 4             # a new model is learned from this many times the 
 
 
 def writer_codec(codec: str | None, column_order: str = "engine",
-                 format_version: int = FORMAT_VERSION) -> str:
+                 format_version: int = FORMAT_VERSION,
+                 schema: RoutingSchema | None = None) -> str:
     """The routing codec a writer uses for ``codec`` (None: the default) and ``column_order``.
 
     None -> ``xl-zstd`` (engine order; ``ctx-zstd`` for a ``format_version=2`` writer, whose
@@ -49,7 +50,8 @@ def writer_codec(codec: str | None, column_order: str = "engine",
 
     Raises:
         ConfigError (a ValueError): unknown codec or column order, ``ctx-ans-sorted``
-            for engine order, or ``xl-ans`` for ``format_version=2``.
+            for engine order, or ``xl-ans`` for ``format_version=2`` or (given
+            ``schema``) for more than 64 experts.
     """
     if column_order not in COLUMN_ORDERS:
         raise ConfigError(f"column_order must be one of {COLUMN_ORDERS}")
@@ -65,6 +67,10 @@ def writer_codec(codec: str | None, column_order: str = "engine",
     if codec == "xl-ans" and format_version < 3:
         raise ConfigError("codec 'xl-ans' needs format_version 3 (its models are frames of "
                           "a version-3 stream)")
+    if codec == "xl-ans" and schema is not None \
+            and not 2 <= schema.num_experts <= xl_ans.MAX_EXPERTS:
+        raise ConfigError(f"codec 'xl-ans' models 2 to {xl_ans.MAX_EXPERTS} experts, the "
+                          f"schema has {schema.num_experts}: use xl-zstd")
     return codec
 
 
@@ -78,9 +84,10 @@ class SidecarWriter:
         schema: routing schema of every record.
         token_block, layer_group: the version-3 section grid: routing sections of
             ``token_block`` rows (B, default 512) x ``layer_group`` MoE layers (G, default
-            1). A reader reads and decodes whole sections, so this is the unit of partial
-            reads (a rank's token runs, one pipeline stage's layers); the defaults were
-            chosen by measurement (docs/FORMAT.md "Choosing the geometry"). Version 2:
+            1; ``xl-ans``: 8 for records coded with a model frame). A reader reads and
+            decodes whole sections, so this is the unit of partial reads (a rank's token
+            runs, one pipeline stage's layers); the defaults were chosen by measurement
+            (docs/FORMAT.md "Choosing the geometry"). Version 2:
             ``layer_group`` only (default 4), sections span all rows.
         one_section_bytes: version 3: a record whose ids take at most this many bytes
             (``T x L_moe x top_k x itemsize``, default 64 KiB) is written as one section:
@@ -146,17 +153,19 @@ class SidecarWriter:
                 and not hasattr(dest, "write"):
             raise ConfigError(f"a sidecar destination is a path, an fsspec URL, a writable "
                               f"binary file object or None, not {type(dest).__name__}")
-        codec = writer_codec(codec, column_order, format_version)
-        if codec == "xl-ans" and not schema.num_experts <= xl_ans.MAX_EXPERTS:
-            raise ConfigError(f"codec 'xl-ans' models at most {xl_ans.MAX_EXPERTS} experts, the "
-                              f"schema has {schema.num_experts}: use xl-zstd")
+        codec = writer_codec(codec, column_order, format_version, schema)
         if fsync not in FSYNC_MODES:
             raise ConfigError(f"fsync must be one of {FSYNC_MODES}, got {fsync!r}")
         if format_version not in WRITABLE_VERSIONS:
             raise ConfigError(f"format_version must be one of {WRITABLE_VERSIONS}, got "
                               f"{format_version!r}")
+        # NOTE: xl-ans codes a section's layers given the layer before, so its grid sections
+        # span XL_ANS_LAYER_GROUP layers; records coded without a model (none written yet,
+        # or none that pays) keep the default grid, where xl-zstd codes smaller.
+        self._plain_group = layer_group
         if layer_group is None:
             layer_group = DEFAULT_LAYER_GROUP if format_version >= 3 else V2_LAYER_GROUP
+            self._plain_group = layer_group
             if codec == "xl-ans":
                 layer_group = XL_ANS_LAYER_GROUP
         for name, v, lo in (("layer_group", layer_group, 1), ("token_block", token_block, 1),
@@ -167,6 +176,7 @@ class SidecarWriter:
         if token_block > MAX_TOKENS:
             raise ConfigError(f"token_block must be at most {MAX_TOKENS}, got {token_block}")
         layer_group = min(layer_group, schema.num_moe_layers)
+        self._plain_group = min(self._plain_group, schema.num_moe_layers)
         if isinstance(max_queue, bool) or not isinstance(max_queue, int) or max_queue < 1:
             # NOTE: queue.Queue(0) would be unbounded: no back-pressure, unbounded loss
             raise ConfigError(f"max_queue must be an integer >= 1, got {max_queue!r}")
@@ -337,7 +347,8 @@ class SidecarWriter:
     def _write_now(self, record: RoutingRecord) -> None:
         if self._learn is not None:
             self._learn_from(record)
-        payload = encode_record_payload(record, self.schema, self.codec, self.layer_group,
+        group = self.layer_group if self._model is not None else self._plain_group
+        payload = encode_record_payload(record, self.schema, self.codec, group,
                                         self.column_order, version=self.format_version,
                                         token_block=self.token_block,
                                         one_section_bytes=self.one_section_bytes,
@@ -401,7 +412,8 @@ class SidecarWriter:
 
     def _coded(self, record: RoutingRecord, model: Any) -> int:
         """Bytes of ``record``'s payload coded under ``model`` (None: xl-zstd only)."""
-        return len(encode_record_payload(record, self.schema, self.codec, self.layer_group,
+        group = self.layer_group if model is not None else self._plain_group
+        return len(encode_record_payload(record, self.schema, self.codec, group,
                                          self.column_order, version=self.format_version,
                                          token_block=self.token_block,
                                          one_section_bytes=self.one_section_bytes,
