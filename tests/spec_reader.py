@@ -182,6 +182,7 @@ class XlModel:
         c = binom(e, k) if binom(e, k) * e <= 8192 else 0
         n = 2 * lmoe * (6 + e + e * e + c * e)
         assert -(-n // 128) <= len(payload) <= n + n // 64 + 64, "model payload size"
+        assert zstandard.frame_content_size(payload[pos:]) == n, "model tables: declared size"
         obj = zstandard.ZstdDecompressor().decompressobj()
         tables = obj.decompress(payload[pos:])
         assert obj.eof and not obj.unused_data, "model tables: not exactly one zstd frame"
@@ -235,8 +236,11 @@ def xl_ans(blob, t, g_count, k, e, l0, ctx):
     assert t * g_count * k <= 8 * len(blob) + min(65536, 8 * len(blob)), "expansion"
     o, pos = varint(blob, 0)
     words = blob[pos:]
-    assert len(words) >= 8 * g_count * (1 + k), "below the floor of 8 bytes per call"
+    assert len(words) >= 16 * g_count * (1 + k), "below the floor of 16 bytes per call"
+    assert o < ctx.get("record", o + 1), "a model frame precedes the record naming it"
     m = model_at(ctx, o)
+    assert len(ctx["models"]) <= 16, "more than 16 model frames named"
+    work = 0
     dec = Ans(words)
     rows, prev_flags = [], None
     for lp in range(g_count):
@@ -245,6 +249,8 @@ def xl_ans(blob, t, g_count, k, e, l0, ctx):
         for row in range(1, t):
             flags[row] = dec.decode(m.flag_f[l][2 if lp == 0 else prev_flags[row]])
         fresh = [row for row in range(t) if row == 0 or flags[row] == 0]
+        work += 2 * max(t - 1, 0) + len(fresh) * k * e
+        assert work <= 128 * len(words), "coder work beyond 128 per byte of words"
         bases = []
         for row in fresh:
             if lp == 0:
@@ -430,6 +436,7 @@ def read_stream(data):
             assert zlib.crc32(payload) == pcrc
             index = index_v3(payload) if version == 3 else json.loads(payload)
         elif kind == 1 and version == 3:
+            ctx["record"] = off
             records.append(record_v3(payload, pcrc, header, lmoe, k, e, ctx))
             offsets.append(off)
         elif kind == 1:

@@ -289,3 +289,53 @@ def test_convert_from_sidecar_reencodes_every_field(tmp_path):
     p = run_py(["-m", "routereplay.cli", "convert", "--from", "sidecar", str(inp), "--out",
                 str(tmp_path / "x.rrsc"), "--num-experts", "8"], timeout=60)
     assert p.returncode != 0 and "takes the routing schema from the input" in p.stderr
+
+
+def test_crafted_xl_ans_streams_are_refused_or_bounded():
+    """The attacker review's streams (routereplay.testing.crafted), small: a stream naming
+    more model frames than a reader parses (17, in turn) is refused where the 17th is
+    named, and the records before read exactly; sections needing more coder work than 128
+    parameter entries per stored byte (every row fresh at 1 bit a row, E=64) and one long
+    section of 2^17 such rows are refused before their ids are decoded."""
+    from routereplay.testing import crafted
+    schema = RoutingSchema(4, (0, 1, 2, 3), 2, 8)            # ignored by the xl-ans cases
+    data = crafted.xl_ans_model_thrash(schema, nbytes=1 << 16, num_layers=4, num_models=17)
+    r = SidecarReader(data)
+    ids = r.sample_ids()
+    ok = 0
+    for sid in ids:
+        try:
+            r.read(sid)
+            ok += 1
+        except SidecarError as e:
+            assert "more than 16 model frames" in str(e)
+            break
+    assert ok == 4                  # 4 records x 4 layers name models 0..15, the 5th the 17th
+    for data in (crafted.xl_ans_dense_rows(schema, nbytes=1 << 14, rows=4096),
+                 crafted.xl_ans_dense_rows(schema, nbytes=0, rows=1 << 17, num_layers=1)):
+        r = SidecarReader(data)
+        with pytest.raises(SidecarError, match="coder work"):
+            r.read(r.sample_ids()[0])
+
+
+def test_model_frames_are_named_from_before_the_record_and_only_in_version_3():
+    src = _source(8, 8, 2)
+    data, recs = _stream(src, [900] * 8, np.random.default_rng(2), "xl-ans")
+    frames = _frames(data)
+    model = next(fh for fh in frames if fh.kind == KIND_MODEL)
+    r = SidecarReader(data)
+    with pytest.raises(SidecarError, match="before the record naming it"):
+        r._model_at(model.offset, before=model.offset)
+    # a kind-3 frame in a version-2 stream is an unknown kind there: skipped, not parsed
+    schema = RoutingSchema(8, tuple(range(8)), 2, 8)
+    w = SidecarWriter(None, schema, codec="ctx-zstd", format_version=2, background=False)
+    for i, x in enumerate(recs[:2]):
+        w.write(RoutingRecord(f"v{i}", x))
+    w.close()
+    v2 = w.getvalue()
+    live = v2[:SidecarReader(v2)._index_offset]             # no index: records found by scanning
+    head = SidecarReader(live)._data_start
+    spliced = live[:head] + data[model.offset:model.end] + live[head:]
+    r2 = SidecarReader(spliced)
+    assert [np.array_equal(r2.read(f"v{i}").expert_ids, recs[i]) for i in range(2)] == [True] * 2
+    assert r2.errors == [] and r2.model_frames == {}

@@ -14,7 +14,7 @@ named by a short string stored in each routing section's metadata (docs/FORMAT.m
   and stored once in the stream (a model frame), driving constriction's rANS coder
   (routereplay.codec.xl_ans). On the cross-layer source at 1K-token records: whole streams
   at 1.04x the entropy rate (64 records; 1.03x at 256), 13-15 % below ``xl-zstd``; encodes
-  and decodes at 3-6 MB/s; 2 <= E <= 64. Sections name their model frame by offset
+  and decodes at about 10 MB/s (E=8 top-2; less for larger E); 2 <= E <= 64. Sections name their model frame by offset
   (:data:`ModelResolver`).
 - ``ctx-zstd``: per-layer repeat bitmap and id bytes, then zstd with a Huffman table per
   layer (routereplay.codec.ctx_zstd); the default before format 3, and the default of a

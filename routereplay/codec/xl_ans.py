@@ -49,7 +49,9 @@ SCALE = 1 << 16             # successor distributions are scaled to SCALE per up
 SMOOTH = 4                  # pseudo-rows of the successor mean in each set's distribution
 COUNT_MAX = 0xFFFF          # model counts are u16
 NONE_CTX = 2                # flag context of a section's first layer
-BYTES_PER_CALL = 8          # an xl-ans section holds at least this many bytes per coder call
+BYTES_PER_CALL = 16         # an xl-ans section holds at least this many bytes per coder call
+WORK_PER_BYTE = 128         # coder work (parameter entries, :func:`work`) per section byte
+CHUNK_ROWS = 4096           # rows whose coder parameters are built at once
 MODEL_EXPANSION = 128       # a model payload's tables are at most this many times its bytes
 
 
@@ -204,7 +206,6 @@ class XlModel:
             SidecarError: L, E, K other than the stream's, E above ``MAX_EXPERTS``, or a
                 zstd frame that does not hold exactly the tables' bytes.
         """
-        from routereplay.codec.layer_major import bounded_zstd_decompress
         from routereplay.sidecar.layout import read_varint
         buf = memoryview(payload)
         try:
@@ -222,14 +223,29 @@ class XlModel:
         c = joint_sets(e, k)
         shapes = [(lm, 3, 2), (lm, e), (lm, e, e), (lm, c, e)]
         n = sum(int(np.prod(s)) for s in shapes)
-        raw = bounded_zstd_decompress(bytes(buf[pos:]), 2 * n)
-        if len(raw) != 2 * n:
-            raise SidecarError(f"xl-ans model tables hold {len(raw)} bytes, expected {2 * n}")
+        body = bytes(buf[pos:])
+        try:
+            declared = zstandard.frame_content_size(body)
+        except zstandard.ZstdError as exc:
+            raise SidecarError(f"xl-ans model tables are not a zstd frame: {exc}") from None
+        if declared != 2 * n:
+            raise SidecarError(f"xl-ans model tables' zstd frame declares {declared} bytes, "
+                               f"not the {2 * n} of the tables")
+        # NOTE: the frame declares its size, so the output is bounded by it; exactly one
+        # frame, nothing before or after it (no skippable frames)
+        obj = zstandard.ZstdDecompressor().decompressobj()
+        try:
+            raw = obj.decompress(body)
+        except zstandard.ZstdError as exc:
+            raise SidecarError(f"xl-ans model tables do not decode: {exc}") from None
+        if len(raw) != 2 * n or not obj.eof or obj.unused_data:
+            raise SidecarError(f"xl-ans model payload is not exactly one zstd frame of the "
+                               f"{2 * n} bytes of its tables")
         arrs, off = [], 0
         for s in shapes:
             m = int(np.prod(s))
             arrs.append(np.frombuffer(raw, dtype="<u2", count=m, offset=2 * off)
-                        .astype(np.int64).reshape(s))
+                        .astype(np.uint16).reshape(s))        # NOTE: u16 kept: 2 bytes a count
             off += m
         return cls(e, k, *arrs)
 
@@ -261,34 +277,20 @@ class _Tables:
         nl = m.num_layers
         self.flags = _params(m.flags.astype(np.int64) + 1)                       # [L, 3, 2]
         pr = m.pair.astype(np.int64)
-        self.succ = ((pr + 1) * SCALE) // (pr.sum(axis=2, keepdims=True) + e)    # [L, E, E]
+        self.succ = (((pr + 1) * SCALE) // (pr.sum(axis=2, keepdims=True) + e)  # [L, E, E]
+                     ).astype(np.int32)                  # NOTE: <= SCALE; K of them fit int32
         self.pop = m.pop.astype(np.int64)                                       # [L, E]
         self.pop0 = _params(self.pop + 1)
         self.pop1 = _params(_exclude_one(self.pop)) if k > 1 else None        # [L, E, E]
         self.joint = None
         if c:
             members = _set_members(e, k)                                        # [C, K]
-            s = self.succ[:, members].sum(axis=2)                               # [L, C, E]
+            s = self.succ[:, members].sum(axis=2, dtype=np.int64)               # [L, C, E]
             self.joint = m.joint.astype(np.int64) * SCALE + SMOOTH * s          # [L, C, E]
             self.joint0 = _params(self.joint + 1)
             self.joint1 = None
             if k > 1 and nl * c * e * e <= JOINT1_LIMIT:
                 self.joint1 = _params(_exclude_one(self.joint))                 # [L, C, E, E]
-
-    def first(self, lyr: int, n: int) -> tuple[np.ndarray, np.ndarray | None, np.ndarray | None]:
-        """(base int64 [1, E], column-0 params [n, E], column-1 table [E, E] or None)."""
-        p0 = np.broadcast_to(self.pop0[lyr], (n, self.pop0.shape[1]))
-        return self.pop[lyr][None], p0, None if self.pop1 is None else self.pop1[lyr]
-
-    def given(self, lyr: int, up: np.ndarray):
-        """Rows with ids ``up`` int [N, K] one layer up -> (base int64 [N, E], column-0
-        params [N, E] or None, column-1 params of each row given its column 0
-        [N, E(x0), E] or None)."""
-        if self.joint is None:
-            return self.succ[lyr][up].sum(axis=1), None, None
-        c = set_index(up)
-        return self.joint[lyr][c], self.joint0[lyr][c], \
-            None if self.joint1 is None else self.joint1[lyr][c]
 
 
 JOINT1_LIMIT = 1 << 21      # entries of a joint column-1 table kept (int32: 8 MiB)
@@ -319,29 +321,59 @@ def _tables(model: XlModel) -> _Tables:
     return t
 
 
-def _layer_columns(tab: _Tables, lyr: int, up: np.ndarray | None, n: int):
-    """A layer's fresh rows -> a function (j, taken bool [n, E], x0 int [n] | None) giving
-    the coder parameters float64 [n, E] of column j."""
-    if up is None:
-        base, p0, p1 = tab.first(lyr, n)
-    else:
-        base, p0, p1 = tab.given(lyr, up)
+def _column_params(tab: _Tables, lyr: int, up: np.ndarray | None, prev: np.ndarray,
+                   j: int) -> np.ndarray:
+    """Coder parameters float64 [n, E] of column ``j`` of n fresh rows of layer ``lyr``:
+    ``up`` int [n, K] their ids one layer up (None: the section's first layer), ``prev``
+    int [n, >= j] their columns before j (excluded)."""
+    n = prev.shape[0]
     rows = np.arange(n)
+    if up is None:
+        base, p0, p1 = tab.pop[lyr][None], tab.pop0[lyr][None], \
+            None if tab.pop1 is None else tab.pop1[lyr]
+    elif tab.joint is None:
+        base, p0, p1 = tab.succ[lyr][up].sum(axis=1), None, None
+    else:
+        c = set_index(up)
+        base, p0 = tab.joint[lyr][c], tab.joint0[lyr][c]
+        p1 = None if tab.joint1 is None else tab.joint1[lyr][c]
+    if j == 0 and p0 is not None:
+        return np.ascontiguousarray(np.broadcast_to(p0, (n, p0.shape[-1])), dtype=np.float64)
+    if j == 1 and p1 is not None:
+        x0 = prev[:, 0].astype(np.int64)
+        return np.ascontiguousarray(p1[x0] if p1.ndim == 2 else p1[rows, x0], dtype=np.float64)
+    taken = np.zeros((n, base.shape[-1]), dtype=bool)
+    for m in range(j):
+        taken[rows, prev[:, m]] = True
+    return (ans.frequencies(_column_weights(base, taken)) - 1).astype(np.float64)
 
-    def params(j: int, taken: np.ndarray, x0: np.ndarray | None) -> np.ndarray:
-        if j == 0 and p0 is not None:
-            return np.ascontiguousarray(p0, dtype=np.float64)
-        if j == 1 and p1 is not None:
-            return (p1[x0] if p1.ndim == 2 else p1[rows, x0]).astype(np.float64)
-        return (ans.frequencies(_column_weights(base, taken)) - 1).astype(np.float64)
-    return params
+
+def _chunks(n: int):
+    """Row slices of at most CHUNK_ROWS: the parameters of one chunk exist at a time."""
+    return [slice(a, min(a + CHUNK_ROWS, n)) for a in range(0, n, CHUNK_ROWS)]
+
+
+def work(t: int, fresh: int, k: int, e: int) -> int:
+    """Coder work of one layer of a section (parameter entries): 2 per repeat flag, E per
+    id of a fresh row."""
+    return 2 * max(t - 1, 0) + fresh * k * e
+
+
+def section_work(ids: np.ndarray, num_experts: int) -> int:
+    """Coder work a reader spends on a section of ids [T, G, K] (:func:`work` over its
+    layers); a section of S data bytes may need at most ``WORK_PER_BYTE x S``."""
+    t, g, k = ids.shape
+    if t == 0:
+        return 0
+    fresh = np.ones((t, g), dtype=bool)
+    fresh[1:] = (ids[1:] != ids[:-1]).any(axis=2)
+    return sum(work(t, int(fresh[:, lp].sum()), k, num_experts) for lp in range(g))
 
 
 def _plan(ids: np.ndarray, model: XlModel, l0: int):
-    """Yield, in decode order, (what, symbols int32 [n], params float64 [n, m]) of a
-    section ids int64 [T, G, K] whose first layer is MoE layer ``l0``."""
+    """Yield, in decode order, (symbols int32 [n], params float64 [n, m]) of a section
+    ids int64 [T, G, K] whose first layer is MoE layer ``l0``."""
     t, g, k = ids.shape
-    e = model.num_experts
     tab = _tables(model)
     rep = np.zeros((t, g), dtype=bool)
     rep[1:] = (ids[1:] == ids[:-1]).all(axis=2)
@@ -349,17 +381,13 @@ def _plan(ids: np.ndarray, model: XlModel, l0: int):
         lyr = l0 + lp
         if t > 1:
             ctx = rep[1:, lp - 1].astype(np.int64) if lp else np.full(t - 1, NONE_CTX)
-            yield "flags", rep[1:, lp].astype(np.int32), tab.flags[lyr][ctx].astype(np.float64)
+            yield rep[1:, lp].astype(np.int32), tab.flags[lyr][ctx].astype(np.float64)
         fresh = np.nonzero(~rep[:, lp])[0]
-        if not fresh.size:
-            continue
-        x = ids[fresh, lp]
-        params = _layer_columns(tab, lyr, ids[fresh, lp - 1] if lp else None, fresh.size)
-        taken = np.zeros((fresh.size, e), dtype=bool)
-        rows = np.arange(fresh.size)
         for j in range(k):
-            yield "ids", x[:, j].astype(np.int32), params(j, taken, x[:, 0])
-            taken[rows, x[:, j]] = True
+            for sl in _chunks(fresh.size):
+                f = fresh[sl]
+                yield ids[f, lp, j].astype(np.int32), _column_params(
+                    tab, lyr, ids[f, lp - 1] if lp else None, ids[f, lp], j)
 
 
 def encode(ids: np.ndarray, model: XlModel, l0: int) -> bytes:
@@ -384,7 +412,7 @@ def encode(ids: np.ndarray, model: XlModel, l0: int) -> bytes:
     steps = list(_plan(a, model, l0))
     coder = constriction.stream.stack.AnsCoder()
     coder.encode_reverse(np.array([ans.END_MARKER], dtype=np.int32), ans.marker_model())
-    for _, sym, p in reversed(steps):
+    for sym, p in reversed(steps):
         coder.encode_reverse(sym, ans.family(), ans.contiguous(p))
     return coder.get_compressed().astype("<u4").tobytes()
 
@@ -408,7 +436,9 @@ def decode(data: bytes, shape: tuple[int, int, int], dtype: np.dtype, model: XlM
                            f"reader's floor of {least_bytes(g, k)} ({BYTES_PER_CALL} per coder call)")
     dec = ans.Decoder(data)
     tab = _tables(model)
-    out = np.empty((t, g, k), dtype=np.int64)
+    budget = WORK_PER_BYTE * len(data)
+    spent = 0
+    out = np.empty((t, g, k), dtype=np.uint8)
     rep_up = None
     for lp in range(g):
         lyr = l0 + lp
@@ -418,19 +448,18 @@ def decode(data: bytes, shape: tuple[int, int, int], dtype: np.dtype, model: XlM
             ctx = rep_up[1:].astype(np.int64) if lp else np.full(t - 1, NONE_CTX)
             rep[1:] = dec.decode_params(tab.flags[lyr][ctx].astype(np.float64), where) == 1
         fresh = np.nonzero(~rep)[0]
-        if fresh.size:
-            params = _layer_columns(tab, lyr, out[fresh, lp - 1] if lp else None, fresh.size)
-            taken = np.zeros((fresh.size, e), dtype=bool)
-            rows = np.arange(fresh.size)
-            x0 = None
-            for j in range(k):
-                x = dec.decode_params(params(j, taken, x0), where).astype(np.int64)
-                if taken[rows, x].any():
+        spent += work(t, fresh.size, k, e)
+        if spent > budget:
+            raise SidecarError(f"xl-ans section of {len(data)} bytes needs more coder work "
+                               f"than the reader's limit of {WORK_PER_BYTE} per byte (at {where})")
+        for j in range(k):
+            for sl in _chunks(fresh.size):
+                f = fresh[sl]
+                p = _column_params(tab, lyr, out[f, lp - 1] if lp else None, out[f, lp], j)
+                x = dec.decode_params(p, where)
+                if j and (out[f, lp, :j] == x[:, None]).any():
                     raise SidecarError(f"xl-ans section repeats an expert in a row at {where}")
-                taken[rows, x] = True
-                out[fresh, lp, j] = x
-                if j == 0:
-                    x0 = x
+                out[f, lp, j] = x
         # NOTE: a repeated row copies the last fresh row before it (row 0 is always fresh)
         src = np.maximum.accumulate(np.where(rep, 0, np.arange(t)))
         out[:, lp] = out[src, lp]

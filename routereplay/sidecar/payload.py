@@ -341,8 +341,11 @@ def encode_record_payload(record: RoutingRecord, schema: RoutingSchema,
             # by zstd-19 (xl-zstd's mode 2) carries over.
             xa = _codec.encode(np.ascontiguousarray(part), "xl-ans", schema.num_experts,
                                model=model, moe_layer0=g * g_layers)
+            words = len(xa) - len(varint(model[0]))
             if len(xa) < len(sec[1]) and section_fits("xl-ans", part.nbytes, len(xa)) \
-                    and len(xa) >= _codec.xl_ans.least_bytes(part.shape[1], part.shape[2]) + 10:
+                    and words >= _codec.xl_ans.least_bytes(part.shape[1], part.shape[2]) \
+                    and _codec.xl_ans.section_work(part, schema.num_experts) \
+                    <= _codec.xl_ans.WORK_PER_BYTE * words:
                 sec = ("xl-ans", xa, part.nbytes)
         secs.append(sec)
     arrays: list[tuple[str, int]] = []

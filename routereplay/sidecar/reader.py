@@ -40,7 +40,7 @@ from routereplay.sidecar.payload import (SECTION_OVERHEAD, Grid, RecordMeta, dec
 from routereplay.source import Rows, check_fetch_args
 
 _RESYNC_CHUNK = 1 << 20
-MODEL_CACHE = 8                # xl-ans models a reader keeps parsed
+MAX_STREAM_MODELS = 16         # xl-ans model frames a reader parses (and keeps) per stream
 MAX_REPORTED = 1000            # error messages (and corrupt-frame entries) kept; the rest counted
 _CRC_TABLE: np.ndarray | None = None
 # NOTE: version 3 ranged reads (docs/FORMAT.md "Reading a version-3 record").
@@ -360,22 +360,37 @@ class SidecarReader:
         one is reported in :attr:`errors` and makes the sections that name it unreadable."""
         return dict(self._model_frames)
 
-    def _model_at(self, off: int) -> Any:
-        """The xl-ans model of the model frame at ``off`` (read, checked, cached: the last
-        MODEL_CACHE models).
+    def _model_at(self, off: int, before: int | None = None) -> Any:
+        """The xl-ans model of the model frame at ``off`` (read, checked, cached: every
+        model frame of the stream, at most MAX_STREAM_MODELS); ``before``: the offset of the
+        record naming it (a model frame precedes the records coded with it).
 
         Raises:
-            SidecarError: ``off`` outside the frame area, not a model frame (kind 3), a
-                payload beyond the reader's limit for the stream's model shape, a checksum
-                mismatch, or a payload that does not parse (routereplay.codec.xl_ans).
+            SidecarError: ``off`` outside the frame area or not before ``before``, a stream
+                before version 3, more than MAX_STREAM_MODELS model frames named, not a model
+                frame (kind 3), a payload beyond the reader's limit for the stream's model
+                shape, a checksum mismatch, or a payload that does not parse
+                (routereplay.codec.xl_ans).
         """
         m = self._models.get(off)
-        if m is not None:
+        if m is not None and (before is None or off < before):
             return m
         s = self.schema
-        if not self._data_start <= off <= self.size - FRAME_HEADER_SIZE:
-            raise SidecarError(f"xl-ans model offset {off} is outside the stream's frames",
-                               offset=off)
+        end = self._index_offset if self.complete and self._index_offset is not None \
+            else self.size
+        if not self._data_start <= off <= end - FRAME_HEADER_SIZE \
+                or (before is not None and off >= before):
+            raise SidecarError(f"xl-ans model offset {off} is outside the stream's frames "
+                               "before the record naming it", offset=off)
+        if self.version < 3:
+            raise SidecarError(f"xl-ans model frames are version-3 frames; this stream is "
+                               f"version {self.version}", offset=off)
+        if len(self._models) >= MAX_STREAM_MODELS:
+            # NOTE: each model is parsed once and kept: a stream naming many model frames in
+            # turn would otherwise cost a whole model's tables per section read
+            raise SidecarError(f"xl-ans model frame at offset {off}: the stream names more "
+                               f"than {MAX_STREAM_MODELS} model frames (the reader's limit; "
+                               f"writers write at most {MAX_STREAM_MODELS - 4})", offset=off)
         fh = parse_frame_header(self._read(off, FRAME_HEADER_SIZE), off, self.size)
         if fh.kind != KIND_MODEL:
             raise SidecarError(f"frame at offset {off} is not an xl-ans model frame (kind "
@@ -390,8 +405,6 @@ class SidecarReader:
             m = xl_ans.XlModel.from_bytes(payload, s.num_moe_layers, s.num_experts, s.top_k)
         except SidecarError as e:
             raise SidecarError(f"xl-ans model frame at offset {off}: {e}", offset=off) from None
-        if len(self._models) >= MODEL_CACHE:
-            self._models.pop(next(iter(self._models)))
         self._models[off] = m
         return m
 
@@ -454,7 +467,7 @@ class SidecarReader:
                         self._by_id[fi.meta.sample_id] = fi          # index entry -> scanned
                 else:
                     self._keep(fi)
-            elif fh.kind == KIND_MODEL:
+            elif fh.kind == KIND_MODEL and self.version >= 3:
                 self._model_frames[off] = FRAME_HEADER_SIZE + fh.payload_len
                 try:
                     self._model_at(off)
@@ -1074,7 +1087,8 @@ class SidecarReader:
             g, b = divmod(i, grid.n_blocks)
             (l0, l1), (b0, b1) = grid.layers(g), grid.rows(b)
             ids = _codec.decode(bytes(data), codec, (b1 - b0, l1 - l0, k), schema.id_dtype,
-                                schema.num_experts, models=self._model_at, moe_layer0=l0)
+                                schema.num_experts, moe_layer0=l0,
+                                models=lambda o: self._model_at(o, before=off))
             pos, offs = cols[g]
             run = pos == list(range(pos[0], pos[0] + len(pos))) \
                 and offs == list(range(offs[0], offs[0] + len(offs)))

@@ -37,6 +37,7 @@ MODEL_FIRST_ROWS = 8192       # token-layer rows counted before the first model
 MODEL_FIRST_SHARE = 1 / 16    # the first model frame: at most this share of the raw ids so far
 MODEL_SHARE = 1 / 64          # all model frames together, once there is one
 MODEL_REFRESH = 4             # a new model is learned from this many times the rows
+MAX_MODELS = 12               # model frames a stream gets (readers parse at most 16)
 
 
 def writer_codec(codec: str | None, column_order: str = "engine",
@@ -107,8 +108,8 @@ class SidecarWriter:
             10-50x slower. ``xl-ans`` (E <= 64, version 3) learns a cross-layer model from
             the records written and writes it into the stream as a model frame (kind 3)
             when it pays for itself; later sections use it where smaller than ``xl-zstd``
-            (13-15 % smaller streams on routing whose layers depend on each other, at 3-6
-            MB/s; grid layer group 8 by default). docs/FORMAT.md "xl-ans".
+            (13-15 % smaller streams on routing whose layers depend on each other, at
+            about 10 MB/s; grid layer group 8 by default). docs/FORMAT.md "xl-ans".
         column_order: "engine" (default: top-k columns exactly as the engine returned
             them) or "sorted" (canonical: each row in ascending expert id; declared in the
             header; ``ctx-ans-sorted`` codes it smaller by about log2(top_k!) bits a row).
@@ -215,7 +216,7 @@ class SidecarWriter:
         self._learn = xl_ans.XlModel.empty(schema.num_moe_layers, schema.num_experts,
                                            schema.top_k) if codec == "xl-ans" else None
         self._model: tuple[int, xl_ans.XlModel] | None = None
-        self._model_bytes = self._raw_bytes = 0
+        self._model_bytes = self._raw_bytes = self._models_written = 0
         self._next_model_rows = MODEL_FIRST_ROWS
         self._ids: set[str] = set()
         self._pos = 0
@@ -384,7 +385,7 @@ class SidecarWriter:
         """Write a model frame of the records before ``record`` if one is due and pays."""
         assert self._learn is not None
         rows = self._learn.rows_counted()
-        if rows < self._next_model_rows:
+        if rows < self._next_model_rows or self._models_written >= MAX_MODELS:
             return
         payload = self._learn.to_bytes()
         frame = len(payload) + 24
@@ -406,6 +407,7 @@ class SidecarWriter:
             self._next_model_rows = 2 * rows
             return
         self._emit(encode_frame(KIND_MODEL, payload))
+        self._models_written += 1
         self._model = model
         self._model_bytes += frame
         self._next_model_rows = MODEL_REFRESH * rows

@@ -395,3 +395,139 @@ def slack_records(schema: RoutingSchema, num_records: int = 64, rows: int = 512,
 # NOTE: after CASES: the attacker review's stream (300 records of 48 tiny sections at the
 # expansion limit; decoded to ~1800x its size while the slack was absolute)
 CASES["tiny sections at the expansion limit"] = lambda schema: slack_records(schema, 300)
+
+
+# --------------------------------------------------------------------------- xl-ans
+
+
+XL_ANS_CODECS = ("xl-ans", "xl-zstd", "ctx-zstd", "raw-lm", "zstd", "raw")
+
+
+def xl_ans_model_thrash(schema: RoutingSchema, nbytes: int = MiB, num_layers: int = 256,
+                        num_models: int = 9, num_experts: int = 64, seed: int = 18) -> bytes:
+    """xl-ans (issue 18 attacker review): one model frame referenced once per section,
+    round robin over one more model frame than the reader's cache holds (MODEL_CACHE = 8).
+
+    A stream of ``num_layers`` MoE layers, top-1 of E=64: ``num_models`` identical model
+    frames at different offsets (payload just above the reader's floor of ceil(n / 128)
+    bytes, n = 2 x L x (6 + E + E^2 + C x E), ~16.5 KB of tables a layer), then records of
+    one-layer sections (a grid of G = 1), each a valid ``xl-ans`` section of a few rows at
+    the reader's floor (16 bytes per coder call: 32 bytes), section j of record i naming
+    model ``(i x L + j) % num_models``. While the reader kept the last 8 models (keyed by
+    offset), every section read re-read, re-checked and re-decompressed a whole model:
+    128 x its payload (~2 MB at L = 256) for ~30 stored bytes (58 s of CPU per MiB). Now a
+    reader parses each of at most 16 model frames once; what is left is the per-section
+    fixed cost at the floor. Every record reads back exactly as encoded; with
+    ``num_models`` > 16 the records naming the 17th are refused.
+
+    ``schema`` is ignored (xl-ans models at most 64 experts)."""
+    from routereplay.codec import xl_ans
+    from routereplay.sidecar.layout import KIND_MODEL, varint
+    k, e, nl = 1, num_experts, num_layers
+    sch = RoutingSchema(nl, tuple(range(nl)), k, e)
+    rng = np.random.default_rng(seed)
+    least, _ = xl_ans.payload_limits(nl, e, k)
+    m = xl_ans.XlModel.empty(nl, e, k)
+    m.flags[:] = rng.integers(0, 4, m.flags.shape)
+    m.pop[:] = rng.integers(1, 16, m.pop.shape)
+    cells = 64
+    flat = m.pair.reshape(-1)                # pair tables: unused by one-layer sections
+    while True:                              # random counts until the payload reaches the floor
+        flat[:cells] = rng.integers(0, 1 << 16, cells)
+        payload = m.to_bytes()
+        if len(payload) >= least:
+            break
+        cells = min(2 * cells, flat.size)
+    model = xl_ans.XlModel.from_bytes(payload, nl, e, k)
+    head = encode_header(sch, "xl-ans", codecs=XL_ANS_CODECS, stream_id="00" * 8)
+    out, offs, pos = [head], [], len(head)
+    frame = encode_frame(KIND_MODEL, payload)
+    for _ in range(num_models):
+        offs.append(pos)
+        out.append(frame)
+        pos += len(frame)
+    floor = xl_ans.least_bytes(1, k)
+    t = 2
+    while True:                              # the fewest rows whose every layer reaches the floor
+        ids = np.argsort(rng.random((t, nl, e)), axis=-1)[..., :k].astype(np.uint8)
+        ids[1:] = np.where((ids[1:] == ids[:-1]).all(-1, keepdims=True), (ids[:-1] + 1) % e,
+                           ids[1:])
+        words = [xl_ans.encode(np.ascontiguousarray(ids[:, j:j + 1]), model, j)
+                 for j in range(nl)]
+        if min(map(len, words)) >= floor:
+            break
+        t += 2
+    i = n = 0
+    while pos < nbytes:
+        secs = [(0, varint(offs[(n + j) % num_models]) + words[j]) for j in range(nl)]
+        n += nl
+        meta = _payload.encode_meta(f"x{i:07d}", t, t, 1)
+        f = encode_frame(KIND_RECORD, _payload.assemble(meta, secs))
+        out.append(f)
+        pos += len(f)
+        i += 1
+    return b"".join(out)
+
+
+CASES["xl-ans model cache thrash"] = xl_ans_model_thrash
+
+
+def xl_ans_dense_rows(schema: RoutingSchema, nbytes: int = MiB, rows: int = 16384,
+                      num_experts: int = 64, seed: int = 18, num_layers: int = 2) -> bytes:
+    """xl-ans (issue 18 attacker review): the most row work per stored byte that the
+    expansion limit allows. A stream of two MoE layers, top-1 of E=64, one model frame, then
+    records of ``rows`` rows, one valid ``xl-ans`` section each: every row fresh at both
+    layers, layer 0 one of two experts (1 bit a row), layer 1 determined by layer 0 (~0
+    bits): 0.5 bit per row-layer, i.e. 16 decoded ids per stored byte (the limit,
+    8 x S + min(65536, 8 x S)). Each fresh row costs the reader an E-wide weight row
+    (numpy, int64 and float64) and a 64-entry per-symbol model in constriction. Every
+    record reads back exactly as encoded.
+
+    ``num_layers=1``: layer 0 only (1 bit a row, 8 ids per stored byte): the limit for
+    sections of more than 8 KiB (whose slack is capped at 64 KiB), where one section of
+    many rows costs the most memory. ``schema`` is ignored (xl-ans models at most 64
+    experts)."""
+    from routereplay.codec import xl_ans
+    from routereplay.sidecar.layout import KIND_MODEL, varint
+    e, k, nl = num_experts, 1, num_layers
+    sch = RoutingSchema(nl, tuple(range(nl)), k, e)
+    rng = np.random.default_rng(seed)
+    m = xl_ans.XlModel.empty(nl, e, k)
+    m.flags[:, :, 0] = 0xFFFF                    # "fresh" almost certain
+    m.pop[0, :2] = 0xFFFF                        # layer 0: expert 0 or 1, one bit
+    for u in (0, 1) if nl > 1 else ():           # layer 1: expert u + 2 after u
+        m.pair[1, u, u + 2] = 0xFFFF
+        m.joint[1, u, u + 2] = 0xFFFF
+    least, _ = xl_ans.payload_limits(nl, e, k)
+    cells = 64
+    while len(m.to_bytes()) < least:             # unused layer-0 pair table: padding
+        m.pair[0].reshape(-1)[:cells] = rng.integers(0, 1 << 16, cells)
+        cells = min(2 * cells, e * e)
+    payload = m.to_bytes()
+    head = encode_header(sch, "xl-ans", codecs=XL_ANS_CODECS, stream_id="00" * 8)
+    off = len(head)
+    model = xl_ans.XlModel.from_bytes(payload, nl, e, k)
+    out = [head, encode_frame(KIND_MODEL, payload)]
+    pos = off + len(out[1])
+    l0 = np.arange(rows) % 2                     # never a repeat; i.i.d. to the model
+    ids = np.stack([l0, l0 + 2][:nl], axis=1)[:, :, None].astype(np.uint8)
+    sec = varint(off) + xl_ans.encode(ids, model, 0)
+    assert _payload.section_fits("xl-ans", ids.nbytes, len(sec))
+    i = 0
+    while pos < nbytes or i == 0:
+        frame = encode_frame(KIND_RECORD, _payload.assemble(
+            _payload.encode_meta(f"d{i:07d}", rows), [(0, sec)]))
+        out.append(frame)
+        pos += len(frame)
+        i += 1
+    return b"".join(out)
+
+
+CASES["xl-ans dense rows at the expansion limit"] = xl_ans_dense_rows
+# NOTE: one record of one MoE layer and 2^19 rows (~64 KiB): its one section is decoded at
+# once, with [T, E] int64 and float64 weight tables (~12 KiB of memory per stored byte)
+CASES["xl-ans one long section"] = lambda schema: xl_ans_dense_rows(
+    schema, nbytes=0, rows=1 << 19, num_layers=1)
+# NOTE: more model frames than a reader parses (16), named in turn: refused at the 17th
+CASES["xl-ans more model frames than the reader's limit"] = lambda schema: xl_ans_model_thrash(
+    schema, num_models=17)
