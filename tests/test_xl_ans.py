@@ -339,3 +339,51 @@ def test_model_frames_are_named_from_before_the_record_and_only_in_version_3():
     r2 = SidecarReader(spliced)
     assert [np.array_equal(r2.read(f"v{i}").expert_ids, recs[i]) for i in range(2)] == [True] * 2
     assert r2.errors == [] and r2.model_frames == {}
+
+
+def test_a_stream_seeded_with_the_previous_streams_model_codes_its_first_records_with_it(tmp_path):
+    """One stream per weight version: the next stream starts from the counts the previous
+    one learned (SidecarWriter(xl_ans_seed=), done by the vLLM plugin on rotation), so its
+    first records are coded xl-ans and the stream is smaller than one that relearns."""
+    from engine_patches.vllm.capture import Streamer
+    src = _source(16, 8, 2)
+    rng = np.random.default_rng(8)
+    schema = RoutingSchema(16, tuple(range(16)), 2, 8)
+    first = [src.sample(rng, 800)[0] for _ in range(12)]
+    second = [src.sample(rng, 800)[0] for _ in range(6)]
+    w = SidecarWriter(None, schema, codec="xl-ans", background=False)
+    for i, x in enumerate(first):
+        w.write(RoutingRecord(f"a{i}", x))
+    w.close()
+    seed = w.learned_model()
+    assert seed.rows_counted() == 12 * 799 * 16
+    sizes, first_record = {}, {}
+    for name, kw in (("seeded", {"xl_ans_seed": seed}), ("fresh", {})):
+        w2 = SidecarWriter(None, schema, codec="xl-ans", background=False, **kw)
+        for i, x in enumerate(second):
+            w2.write(RoutingRecord(f"b{i}", x))
+        w2.close()
+        data = w2.getvalue()
+        sizes[name] = len(data)
+        r = SidecarReader(data)
+        assert all(np.array_equal(r.read(f"b{i}").expert_ids, x) for i, x in enumerate(second))
+        first_record[name] = r.record_bytes("b0").routing
+        if name == "seeded":
+            assert _frames(data)[0].kind == KIND_MODEL          # the seed, before any record
+    assert first_record["seeded"] < 0.9 * first_record["fresh"], first_record
+    assert sizes["seeded"] < 0.95 * sizes["fresh"], sizes        # measured 0.92
+    # the reader hands out the last model frame's model, to seed from a stream on disk
+    again = SidecarReader(w.getvalue()).xl_ans_model()
+    assert again is not None and again.num_layers == 16
+    with pytest.raises(ConfigError, match="xl_ans_seed must be"):
+        SidecarWriter(None, RoutingSchema(8, tuple(range(8)), 2, 8), codec="xl-ans",
+                      xl_ans_seed=seed)
+    # the vLLM plugin's streams: rotation (a new weight version) seeds the next stream
+    st = Streamer(str(tmp_path) + "/", codec="xl-ans", schema=schema)
+    wr = st._writer()
+    for i, x in enumerate(first):
+        wr.write(RoutingRecord(f"a{i}", x))
+    st.records = len(first)
+    st.rotate("v1")
+    assert st.seed is not None and st._writer()._model is not None
+    st.rotate("v2")

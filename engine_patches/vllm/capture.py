@@ -87,6 +87,7 @@ class Streamer:
         self.base = self._resolve()             # NOTE: a bad destination fails at start-up
         self.lock = threading.RLock()
         self.writer = None
+        self.seed = None                        # xl-ans counts of the last closed stream
         self.path: str | None = None
         self.seq = 0
         self.version = weight_version           # version of the open (or next) stream
@@ -149,8 +150,12 @@ class Streamer:
                 header["weight_version"] = self.version
             # NOTE: with references handed to clients, each frame must be written and
             # flushed before the reference leaves: no background queue then.
+            # NOTE: xl-ans: each stream starts from the counts the previous one learned
+            # (one stream per weight version would otherwise relearn its model each time)
+            seed = {"xl_ans_seed": self.seed} if self.seed is not None else {}
             self.writer = SidecarWriter(self.path, self.schema, codec=self.codec,
-                                        background=not self.reference, extra_header=header)
+                                        background=not self.reference, extra_header=header,
+                                        **seed)
         return self.writer
 
     def rotate(self, weight_version: str | None = None) -> str | None:
@@ -161,6 +166,7 @@ class Streamer:
             closed = None
             if self.writer is not None:
                 self.writer.close()
+                self.seed = self.writer.learned_model()
                 closed = self.path
                 self.closed.append(StreamInfo(self.path, self.version, self.records, True))
                 if self.version is not None:

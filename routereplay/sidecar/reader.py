@@ -360,6 +360,19 @@ class SidecarReader:
         one is reported in :attr:`errors` and makes the sections that name it unreadable."""
         return dict(self._model_frames)
 
+    @_serialized
+    def xl_ans_model(self) -> Any:
+        """The ``xl-ans`` model of the stream's last model frame (after a :meth:`scan`), as
+        ``routereplay.codec.xl_ans.XlModel``, to seed a later stream's writer
+        (``SidecarWriter(..., xl_ans_seed=)``); None where the stream has none.
+
+        Raises:
+            SidecarError: that model frame is corrupt."""
+        self.scan()
+        if not self._model_frames:
+            return None
+        return self._model_at(max(self._model_frames))
+
     def _model_at(self, off: int, before: int | None = None) -> Any:
         """The xl-ans model of the model frame at ``off`` (read, checked, cached: every
         model frame of the stream, at most MAX_STREAM_MODELS); ``before``: the offset of the

@@ -37,6 +37,7 @@ MODEL_FIRST_ROWS = 8192       # token-layer rows counted before the first model
 MODEL_FIRST_SHARE = 1 / 16    # the first model frame: at most this share of the raw ids so far
 MODEL_SHARE = 1 / 64          # all model frames together, once there is one
 MODEL_REFRESH = 4             # a new model is learned from this many times the rows
+SEED_ROWS = 1 << 20           # a seed (xl_ans_seed) counts as at most this many rows
 MAX_MODELS = 12               # model frames a stream gets (readers parse at most 16)
 
 
@@ -98,6 +99,11 @@ class SidecarWriter:
             by the smallest power of two that reaches it (0: never).
         format_version: 3 (default) or 2, for readers older than version 3 (which refuse
             version 3 by its header).
+        xl_ans_seed: ``xl-ans`` only: the counts of an earlier stream of the same schema
+            (:meth:`learned_model` of its writer, or ``SidecarReader.xl_ans_model()``),
+            written as this stream's first model frame and learned on from: the stream's
+            first records are coded with a model (one stream per weight version otherwise
+            relearns it each time).
         background: encode and write on a background thread (default). The queue holds
             at most ``max_queue`` records; :meth:`write` blocks when it is full.
         fsync: "close" (default) fsyncs local files on close; "frame" after every frame;
@@ -147,7 +153,8 @@ class SidecarWriter:
                  token_block: int = DEFAULT_TOKEN_BLOCK,
                  one_section_bytes: int = DEFAULT_ONE_SECTION_BYTES,
                  min_section_bytes: int = DEFAULT_MIN_SECTION_BYTES,
-                 format_version: int = FORMAT_VERSION):
+                 format_version: int = FORMAT_VERSION,
+                 xl_ans_seed: "xl_ans.XlModel | None" = None):
         if not isinstance(schema, RoutingSchema):
             raise ConfigError(f"schema must be a RoutingSchema, got {type(schema).__name__}")
         if dest is not None and not isinstance(dest, (str, os.PathLike)) \
@@ -226,6 +233,8 @@ class SidecarWriter:
         self._q: queue.Queue | None = None
         self._thread: threading.Thread | None = None
         self._emit(header)
+        if xl_ans_seed is not None:
+            self._seed(xl_ans_seed)
         if background:
             self._q = queue.Queue(maxsize=max_queue)
             self._thread = threading.Thread(target=self._run, name="routereplay-sidecar-writer",
@@ -361,6 +370,45 @@ class SidecarWriter:
         self._f.flush()
         if self._fsync == "frame":
             self._do_fsync()
+
+    def learned_model(self) -> "xl_ans.XlModel | None":
+        """``xl-ans``: a copy of the counts learned from the records written so far (a seed
+        for the next stream: ``SidecarWriter(..., xl_ans_seed=)``); None for other codecs.
+        Call it after :meth:`flush` or :meth:`close` (the writer thread counts records)."""
+        if self._learn is None:
+            return None
+        m = self._learn
+        return xl_ans.XlModel(m.num_experts, m.top_k, m.flags.copy(), m.pop.copy(),
+                              m.pair.copy(), m.joint.copy())
+
+    def _seed(self, seed: "xl_ans.XlModel") -> None:
+        """Write ``seed`` as the first model frame and learn on from its counts."""
+        s = self.schema
+        if self._learn is None:
+            raise ConfigError("xl_ans_seed is for codec 'xl-ans'")
+        if not isinstance(seed, xl_ans.XlModel) or (seed.num_layers, seed.num_experts,
+                                                     seed.top_k) != (s.num_moe_layers,
+                                                                     s.num_experts, s.top_k):
+            raise ConfigError(f"xl_ans_seed must be an XlModel of {s.num_moe_layers} MoE "
+                              f"layers, {s.num_experts} experts, top-{s.top_k}")
+        arrays = [np.asarray(a, dtype=np.int64).copy()
+                  for a in (seed.flags, seed.pop, seed.pair, seed.joint)]
+        rows = int(arrays[0][:, xl_ans.NONE_CTX].sum())
+        if rows > SEED_ROWS:
+            # NOTE: routing drifts as the weights are trained: the seed weighs at most as
+            # much as SEED_ROWS rows of this stream, which then take over
+            arrays = [a * SEED_ROWS // rows for a in arrays]
+        self._learn = xl_ans.XlModel(seed.num_experts, seed.top_k, *arrays)
+        payload = self._learn.to_bytes()
+        least, _ = xl_ans.payload_limits(s.num_moe_layers, s.num_experts, s.top_k)
+        if len(payload) < least:
+            return                        # nothing worth a frame (near-empty counts)
+        offset = self._pos
+        self._emit(encode_frame(KIND_MODEL, payload))
+        self._model = (offset, xl_ans.XlModel.from_bytes(payload, s.num_moe_layers,
+                                                         s.num_experts, s.top_k))
+        self._models_written, self._model_bytes = 1, len(payload) + 24
+        self._next_model_rows = MODEL_REFRESH * self._learn.rows_counted()
 
     def _learn_from(self, record: RoutingRecord) -> None:
         """xl-ans: write a new model frame when due (learned from the records before
