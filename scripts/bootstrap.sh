@@ -9,6 +9,7 @@ PY="${PYTHON:-python3}"
 STAMP=.venv/.routereplay-bootstrap
 want="$(cat pyproject.toml scripts/bootstrap.sh | sha256sum | cut -d' ' -f1)"
 if [[ -f "$STAMP" && "$(cat "$STAMP")" == "$want" ]]; then
+  echo "bootstrap: .venv is up to date"
   exit 0
 fi
 [[ -x .venv/bin/python ]] || "$PY" -m venv .venv

@@ -163,7 +163,7 @@ def test_stream_model_frames_partial_reads_and_the_xl_zstd_bound():
     assert fresh.errors == []
 
 
-def test_corrupt_or_misplaced_model_frames_are_named():
+def test_corrupt_or_misplaced_model_frames_are_named(tmp_path):
     src = _source(8, 8, 2)
     data, recs = _stream(src, [900] * 8, np.random.default_rng(2), "xl-ans")
     frames = _frames(data)
@@ -185,6 +185,15 @@ def test_corrupt_or_misplaced_model_frames_are_named():
     rs = SidecarReader(bytes(bad))
     rs.scan()
     assert any("model frame" in m and str(model_fh.offset) in m for m in rs.errors)
+    # inspect says the recovered records' heads are listed, not that they read
+    from tests.conftest import run_py
+    path = tmp_path / "bad.rrsc"
+    path.write_bytes(bytes(bad))
+    p = run_py(["-m", "routereplay.cli", "inspect", str(path)], timeout=60)
+    assert p.returncode == 1 and "are unreadable" in p.stdout, p.stdout
+    assert f"xl-ans model frame at offset {model_fh.offset}: payload checksum" in p.stdout
+    p = run_py(["-m", "routereplay.cli", "inspect", str(tmp_path / "missing.rrsc")], timeout=60)
+    assert p.returncode == 1 and p.stdout.startswith("error:") and "records 0" not in p.stdout
 
 
 def test_size_against_the_entropy_rate_and_xl_zstd():

@@ -178,12 +178,17 @@ def _emit_inspect(out: dict, as_json: bool, rc: int) -> int:
         # NOTE: ensure_ascii: ids with lone surrogates or control characters stay valid JSON
         print(json.dumps(out, indent=2))
         return rc
+    if "schema" not in out and out["errors"]:
+        for e in out["errors"]:                     # NOTE: nothing opened: no summary
+            print(_printable(f"error: {e}"))
+        return rc
     print(f"records {out['num_records']}, tokens {out['num_tokens']}, "
           f"MoE layers {out.get('num_layers', '?')}, bytes {out['bytes']}"
           + (f", {out['bits_per_token_layer']:.3f} bits per token-layer (whole file: token "
              f"ids, log-probs and framing included), {out['routing_bits_per_token_layer']:.3f} "
-             "in routing sections" + (f" and {out['model_frames']} xl-ans model frames "
-                                      f"({out['model_frame_bytes']} bytes)"
+             "in routing sections" + (f" ({out['model_frames']} xl-ans model frame"
+                                      f"{'s' if out['model_frames'] > 1 else ''}, "
+                                      f"{out['model_frame_bytes']} bytes, included)"
                                       if out.get("model_frames") else "")
              if out["bits_per_token_layer"] else ""))
     if "codec" in out:
@@ -203,7 +208,10 @@ def _emit_inspect(out: dict, as_json: bool, rc: int) -> int:
     for e in out["errors"]:
         print(_printable(f"error: {e}"))
     if out["errors"]:
-        print(f"recovered {out['num_records']} records")
+        print(f"recovered {out['num_records']} records"
+              + (" (their heads: records coded with a corrupt xl-ans model frame are "
+                 "unreadable)" if any("xl-ans model frame" in e for e in out["errors"])
+                 else ""))
     return rc
 
 

@@ -62,7 +62,8 @@ def encode(ids: np.ndarray, codec: str = DEFAULT_CODEC, num_experts: int | None 
     first layer among the stream's MoE layers.
 
     Raises:
-        ConfigError (a ValueError): unknown codec, or no num_experts for a ``ctx-*`` codec.
+        ConfigError (a ValueError): unknown codec, no num_experts for a ``ctx-*`` or
+            ``xl-*`` codec, ``xl-ans`` without ``model`` or with a model of other E.
         RecordError (a ValueError): not a uint8/uint16 array [T, L_g, top_k], or ids the
             codec cannot represent (out of range, a repeated expert in a row, unsorted rows
             for ``ctx-ans-sorted``).
@@ -97,7 +98,8 @@ def encode_grid(ids: np.ndarray, codec: str, num_experts: int | None, token_bloc
                 layer_group: int) -> list[bytes]:
     """The sections of a version-3 grid (docs/FORMAT.md "Sections"): ids [T, L, top_k]
     in layer groups of ``layer_group`` x token blocks of ``token_block`` rows, group-major,
-    each exactly ``encode(ids[rows, layers], codec, num_experts)``. ``ctx-zstd`` and
+    each exactly ``encode(ids[rows, layers], codec, num_experts)`` (not ``xl-ans``, whose
+    sections need their stream's model: routereplay.sidecar.payload). ``ctx-zstd`` and
     ``xl-zstd`` do the per-row work once over the record (their per-section fixed cost is
     what limits a grid's encode speed).
 

@@ -27,7 +27,7 @@ section's smaller of ``xl-ans`` and ``xl-zstd`` (so the ``xl-zstd`` bound holds)
 
 NOTE: measured on the cross-layer source of routereplay.testing (E=8, top-2, 32 layers,
 1K-token records), against the exact entropy rate: a model learned from 1 earlier record
-codes at 1.035x, from 4 at 1.018x, from 16 at 1.012x; the successor-mean model alone (what
+codes at 1.033x, from 4 at 1.018x, from 16 at 1.013x; the successor-mean model alone (what
 large E gets) stays at 1.065x whatever the data, as the mean of per-expert successor
 distributions is not the distribution given a set.
 """
@@ -129,27 +129,36 @@ class XlModel:
         """Zero counts for L MoE layers (int64, ready for :meth:`count`).
 
         Raises:
-            RecordError (a ValueError): E above ``MAX_EXPERTS`` or top_k outside [1, E].
+            RecordError (a ValueError): E outside [2, ``MAX_EXPERTS``], top_k outside
+                [1, E], or fewer than 1 MoE layer.
         """
         e, k = num_experts, top_k
         if not 2 <= e <= MAX_EXPERTS or not 1 <= k <= e or num_layers < 1:
-            raise RecordError(f"xl-ans models 1 <= top_k <= num_experts, 2 <= num_experts <= {MAX_EXPERTS} and "
-                              f">= 1 MoE layer, got E={e}, K={k}, L={num_layers} (use xl-zstd)")
+            raise RecordError(f"xl-ans models 1 <= top_k <= num_experts, 2 <= num_experts <= "
+                              f"{MAX_EXPERTS} and >= 1 MoE layer, got E={e}, K={k}, "
+                              f"L={num_layers} (use xl-zstd)")
         z = np.zeros
         return cls(e, k, z((num_layers, 3, 2), np.int64), z((num_layers, e), np.int64),
                    z((num_layers, e, e), np.int64), z((num_layers, joint_sets(e, k), e), np.int64))
 
     @property
     def num_layers(self) -> int:
+        """L: the MoE layers the model has tables for."""
         return self.pop.shape[0]
 
     def count(self, ids: np.ndarray) -> None:
         """Add a record's routing, ids int [T, L, K] (all MoE layers, engine column order),
-        to the counts."""
+        to the counts.
+
+        Raises:
+            RecordError (a ValueError): ids of another number of MoE layers or top_k."""
         ids = np.asarray(ids).astype(np.int64)
         t, nl, k = ids.shape
         e = self.num_experts
-        if nl != self.num_layers or k != self.top_k or t == 0:
+        if nl != self.num_layers or k != self.top_k:
+            raise RecordError(f"xl-ans model of {self.num_layers} MoE layers x top-"
+                              f"{self.top_k} cannot count ids of shape {ids.shape}")
+        if t == 0:
             return
         rep = np.zeros((t, nl), dtype=bool)
         rep[1:] = (ids[1:] == ids[:-1]).all(axis=2)
@@ -203,8 +212,9 @@ class XlModel:
         """Parse a model payload for a stream of L MoE layers, E experts, top-k K.
 
         Raises:
-            SidecarError: L, E, K other than the stream's, E above ``MAX_EXPERTS``, or a
-                zstd frame that does not hold exactly the tables' bytes.
+            SidecarError: header varints that do not parse, L, E, K other than the
+                stream's, E outside [2, ``MAX_EXPERTS``], or tables that are not exactly
+                one zstd frame declaring and holding the tables' bytes.
         """
         from routereplay.sidecar.layout import read_varint
         buf = memoryview(payload)
@@ -395,6 +405,10 @@ def encode(ids: np.ndarray, model: XlModel, l0: int) -> bytes:
     an ``xl-ans`` section under ``model`` (without the section's model reference, which
     routereplay.codec adds).
 
+    NOTE: readers refuse a section whose words are under :func:`least_bytes` or that
+    needs more than ``WORK_PER_BYTE`` x its words' bytes of :func:`section_work`; the
+    writer checks both and keeps ``xl-zstd`` there.
+
     Raises:
         RecordError (a ValueError): an id out of [0, E), a row repeating an expert, or
             layers beyond the model's.
@@ -422,9 +436,11 @@ def decode(data: bytes, shape: tuple[int, int, int], dtype: np.dtype, model: XlM
     """ANS words of an ``xl-ans`` section -> ids [T, G, K] of ``dtype`` (uint8).
 
     Raises:
-        SidecarError: layers beyond the model's, a malformed ANS stack
-            (routereplay.codec.ans.Decoder), an id decoded twice in a row, a fresh row equal
-            to the row before it, or words left over.
+        SidecarError: layers beyond the model's, words under the floor
+            (:func:`least_bytes`), coder work beyond ``WORK_PER_BYTE`` per byte of words
+            (checked layer by layer, before the layer's ids are decoded), a malformed ANS
+            stack (routereplay.codec.ans.Decoder), an id decoded twice in a row, a fresh row
+            equal to the row before it, or words left over.
     """
     t, g, k = shape
     e = model.num_experts

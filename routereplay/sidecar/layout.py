@@ -8,7 +8,9 @@ layout", "Header", "Frame", "Index payload (kind 2) and trailer").
 
 ``crc`` is the CRC-32 of the whole payload, except in a version-3 record frame, where it
 covers the record's head only (its sections carry their own CRCs: a reader checks exactly
-the bytes it reads). The version-3 index is binary (varints), version 1-2's JSON.
+the bytes it reads). The version-3 index is binary (varints), version 1-2's JSON. Frame
+kinds: 1 record, 2 index, 3 ``xl-ans`` model (version 3; its payload is
+routereplay.codec.xl_ans's, docs/FORMAT.md "Model payload (kind 3)").
 
 Every multi-byte integer is little-endian; CRC-32 is zlib's. This module only turns bytes
 into validated numbers and back; it reads no file (see routereplay.sidecar.reader).

@@ -356,15 +356,20 @@ class SidecarReader:
     @property
     def model_frames(self) -> dict[int, int]:
         """``xl-ans`` model frames found by :meth:`scan` so far: frame offset -> its bytes
-        (frame header included). Routing data shared by the records after it; a corrupt
-        one is reported in :attr:`errors` and makes the sections that name it unreadable."""
+        (frame header included). Empty until :meth:`scan` has run (reads through the index
+        do not scan; ``inspect`` does). Routing data shared by the records after it; a
+        corrupt one is reported in :attr:`errors` and makes the sections that name it
+        unreadable."""
         return dict(self._model_frames)
 
     @_serialized
-    def xl_ans_model(self) -> Any:
-        """The ``xl-ans`` model of the stream's last model frame (after a :meth:`scan`), as
-        ``routereplay.codec.xl_ans.XlModel``, to seed a later stream's writer
-        (``SidecarWriter(..., xl_ans_seed=)``); None where the stream has none.
+    def xl_ans_model(self) -> "xl_ans.XlModel | None":
+        """The ``xl-ans`` model of the stream's last model frame, to seed a later stream's
+        writer (``SidecarWriter(..., codec="xl-ans", xl_ans_seed=)``); None where the
+        stream has none. Scans the stream (reads every frame not scanned yet). Its counts
+        are u16 (each table scaled so no count exceeds 65535) and learned from the records
+        before that frame only: where the stream's writer is at hand, its
+        ``learned_model()`` holds them all.
 
         Raises:
             SidecarError: that model frame is corrupt."""
@@ -417,7 +422,9 @@ class SidecarReader:
             _, payload = self._read_frame(off)
             m = xl_ans.XlModel.from_bytes(payload, s.num_moe_layers, s.num_experts, s.top_k)
         except SidecarError as e:
-            raise SidecarError(f"xl-ans model frame at offset {off}: {e}", offset=off) from None
+            msg = str(e).replace(f"corrupt frame at offset {off}: ", "")
+            raise SidecarError(f"xl-ans model frame at offset {off}: {msg} (the sections "
+                               "that name it are unreadable)", offset=off) from None
         self._models[off] = m
         return m
 

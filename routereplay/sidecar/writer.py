@@ -41,6 +41,30 @@ SEED_ROWS = 1 << 20           # a seed (xl_ans_seed) counts as at most this many
 MAX_MODELS = 12               # model frames a stream gets (readers parse at most 16)
 
 
+def _check_seed(seed: Any, codec: str, schema: RoutingSchema) -> None:
+    """``xl_ans_seed`` for a writer of ``codec`` and ``schema``.
+
+    Raises:
+        ConfigError: a codec other than ``xl-ans``, not an XlModel of the schema's MoE
+            layers, experts and top-k, or counts that are not non-negative integers."""
+    if codec != "xl-ans":
+        raise ConfigError(f"xl_ans_seed is for codec 'xl-ans', not {codec!r}")
+    s = schema
+    if not isinstance(seed, xl_ans.XlModel) or (seed.num_layers, seed.num_experts,
+                                                 seed.top_k) != (s.num_moe_layers,
+                                                                 s.num_experts, s.top_k):
+        raise ConfigError(f"xl_ans_seed must be an XlModel of {s.num_moe_layers} MoE "
+                          f"layers, {s.num_experts} experts, top-{s.top_k}")
+    shapes = [(s.num_moe_layers, 3, 2), (s.num_moe_layers, s.num_experts),
+              (s.num_moe_layers, s.num_experts, s.num_experts),
+              (s.num_moe_layers, xl_ans.joint_sets(s.num_experts, s.top_k), s.num_experts)]
+    for a, shape in zip((seed.flags, seed.pop, seed.pair, seed.joint), shapes):
+        a = np.asarray(a)
+        if a.shape != shape or a.dtype.kind not in "iu" or (a.size and int(a.min()) < 0):
+            raise ConfigError(f"xl_ans_seed counts must be non-negative integer arrays of "
+                              f"shapes {shapes}")
+
+
 def writer_codec(codec: str | None, column_order: str = "engine",
                  format_version: int = FORMAT_VERSION,
                  schema: RoutingSchema | None = None) -> str:
@@ -103,7 +127,8 @@ class SidecarWriter:
             (:meth:`learned_model` of its writer, or ``SidecarReader.xl_ans_model()``),
             written as this stream's first model frame and learned on from: the stream's
             first records are coded with a model (one stream per weight version otherwise
-            relearns it each time).
+            relearns it each time). A seed weighs at most as much as 2^20 token-layer rows
+            of the new stream (``SEED_ROWS``), which then take over.
         background: encode and write on a background thread (default). The queue holds
             at most ``max_queue`` records; :meth:`write` blocks when it is full.
         fsync: "close" (default) fsyncs local files on close; "frame" after every frame;
@@ -143,7 +168,9 @@ class SidecarWriter:
 
     Raises:
         ConfigError: a bad codec, column order, fsync mode, format version, token block,
-            layer group, one_section_bytes or max_queue.
+            layer group, one_section_bytes or max_queue; ``xl-ans`` for more than 64
+            experts or format 2; an ``xl_ans_seed`` without ``codec="xl-ans"`` or not of
+            the schema's shape (checked before ``dest`` is opened).
     """
 
     def __init__(self, dest: str | os.PathLike | BinaryIO | None, schema: RoutingSchema, *,
@@ -205,6 +232,8 @@ class SidecarWriter:
                               f"above the reader's limit of {MAX_JSON_BYTES} bytes")
         self.schema, self.codec, self._fsync = schema, codec, fsync
         self.layer_group, self.column_order = layer_group, column_order
+        if xl_ans_seed is not None:
+            _check_seed(xl_ans_seed, codec, schema)     # NOTE: before dest is opened
         self._own = True
         self._fsspec_file = None
         if dest is None:
@@ -372,9 +401,12 @@ class SidecarWriter:
             self._do_fsync()
 
     def learned_model(self) -> "xl_ans.XlModel | None":
-        """``xl-ans``: a copy of the counts learned from the records written so far (a seed
-        for the next stream: ``SidecarWriter(..., xl_ans_seed=)``); None for other codecs.
-        Call it after :meth:`flush` or :meth:`close` (the writer thread counts records)."""
+        """``xl-ans``: a copy of the counts learned from every record written so far (and
+        the seed's), as an ``XlModel`` of int64 counts (``flags [L_moe, 3, 2]``, ``pop
+        [L_moe, E]``, ``pair [L_moe, E, E]``, ``joint [L_moe, C, E]``): the seed for the
+        next stream (``SidecarWriter(..., codec="xl-ans", xl_ans_seed=)``). None for other
+        codecs. Call it after :meth:`flush` or :meth:`close`: the writer thread counts
+        records as it writes them, so records still queued are not in it."""
         if self._learn is None:
             return None
         m = self._learn
@@ -382,15 +414,9 @@ class SidecarWriter:
                               m.pair.copy(), m.joint.copy())
 
     def _seed(self, seed: "xl_ans.XlModel") -> None:
-        """Write ``seed`` as the first model frame and learn on from its counts."""
+        """Write ``seed`` (checked by :func:`_check_seed`) as the first model frame, unless
+        its counts are too few for a model payload, and learn on from its counts."""
         s = self.schema
-        if self._learn is None:
-            raise ConfigError("xl_ans_seed is for codec 'xl-ans'")
-        if not isinstance(seed, xl_ans.XlModel) or (seed.num_layers, seed.num_experts,
-                                                     seed.top_k) != (s.num_moe_layers,
-                                                                     s.num_experts, s.top_k):
-            raise ConfigError(f"xl_ans_seed must be an XlModel of {s.num_moe_layers} MoE "
-                              f"layers, {s.num_experts} experts, top-{s.top_k}")
         arrays = [np.asarray(a, dtype=np.int64).copy()
                   for a in (seed.flags, seed.pop, seed.pair, seed.joint)]
         rows = int(arrays[0][:, xl_ans.NONE_CTX].sum())
