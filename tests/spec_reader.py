@@ -181,7 +181,7 @@ class XlModel:
         assert 2 <= e <= 64
         c = binom(e, k) if binom(e, k) * e <= 8192 else 0
         n = 2 * lmoe * (6 + e + e * e + c * e)
-        assert -(-n // 128) <= len(payload) <= n + n // 64 + 64, "model payload size"
+        assert -(-n // 16) <= len(payload) <= n + n // 64 + 64, "model payload size"
         assert zstandard.frame_content_size(payload[pos:]) == n, "model tables: declared size"
         obj = zstandard.ZstdDecompressor().decompressobj()
         tables = obj.decompress(payload[pos:])
@@ -236,7 +236,7 @@ def xl_ans(blob, t, g_count, k, e, l0, ctx):
     assert t * g_count * k <= 8 * len(blob) + min(65536, 8 * len(blob)), "expansion"
     o, pos = varint(blob, 0)
     words = blob[pos:]
-    assert len(words) >= 16 * g_count * (1 + k), "below the floor of 16 bytes per call"
+    assert len(words) >= 32 * g_count * (1 + k), "below the floor of 32 bytes per call"
     assert o < ctx.get("record", o + 1), "a model frame precedes the record naming it"
     m = model_at(ctx, o)
     assert len(ctx["models"]) <= 16, "more than 16 model frames named"

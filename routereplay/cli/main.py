@@ -292,6 +292,28 @@ def _cmd_convert(a: argparse.Namespace) -> int:
     return _convert(a, schema)
 
 
+def _sidecar_records(reader) -> Any:
+    """``reader``'s records in stream order, for ``convert --from sidecar``: each record
+    that reads is yielded; at the first frame that does not (corrupt, unreadable sections)
+    and at a torn tail, a RouteReplayError names it and how many records came before.
+
+    NOTE: ``records(strict=True)`` refuses a stream with any error before yielding a
+    record, which converted nothing from a killed writer's stream."""
+    n = 0
+    for fi in reader.scan():
+        if fi.meta is None:
+            raise RouteReplayError(f"frame at offset {fi.offset}: {fi.error}; the {n} records "
+                                   "before it were converted")
+        try:
+            rec = reader.read(fi.meta.sample_id)
+        except RouteReplayError as e:
+            raise RouteReplayError(f"{e}; the {n} records before it were converted") from None
+        n += 1
+        yield rec
+    if reader.errors:
+        raise RouteReplayError(f"{reader.errors[0]}; the {n} records before it were converted")
+
+
 def _convert(a: argparse.Namespace, schema) -> int:
     """convert's reading and writing, once the arguments are checked (``schema`` None:
     ``--from sidecar``, the input stream's)."""
@@ -314,7 +336,7 @@ def _convert(a: argparse.Namespace, schema) -> int:
     n = tokens = 0
     # NOTE: records are written as they are read; on a bad sample the writer still closes
     # (index + trailer), so every sample before it stays readable.
-    reader = None
+    reader, extra = None, {}
     if a.kind == "sidecar":
         reader = SidecarReader(a.input)
         schema = reader.schema
@@ -327,7 +349,8 @@ def _convert(a: argparse.Namespace, schema) -> int:
             reader.close()
             raise UsageError(f"{a.input} stores rows in sorted column order, which is not the "
                              "engine's: pass --column-order sorted")
-        records = reader.records()
+        records = _sidecar_records(reader)
+        extra = dict(reader.header.get("extra") or {})
     elif a.kind == "sglang-json":
         from engine_patches.sglang.records import iter_jsonl   # lazy: engine side
         records = iter_jsonl(a.input, schema, num_fused_shared_experts=a.num_fused_shared_experts)
@@ -338,7 +361,7 @@ def _convert(a: argparse.Namespace, schema) -> int:
         with SidecarWriter(dest, schema, codec=a.codec, column_order=a.column_order,
                            layer_group=a.layer_group, token_block=a.token_block,
                            format_version=a.format_version,
-                           extra_header={"source": a.kind}) as w:
+                           extra_header={**extra, "source": a.kind}) as w:
             for rec in _progress(records, a, desc="convert", unit="record"):
                 w.write(rec)
                 n += 1

@@ -49,10 +49,10 @@ SCALE = 1 << 16             # successor distributions are scaled to SCALE per up
 SMOOTH = 4                  # pseudo-rows of the successor mean in each set's distribution
 COUNT_MAX = 0xFFFF          # model counts are u16
 NONE_CTX = 2                # flag context of a section's first layer
-BYTES_PER_CALL = 16         # an xl-ans section holds at least this many bytes per coder call
+BYTES_PER_CALL = 32         # an xl-ans section holds at least this many bytes per coder call
 WORK_PER_BYTE = 128         # coder work (parameter entries, :func:`work`) per section byte
 CHUNK_ROWS = 4096           # rows whose coder parameters are built at once
-MODEL_EXPANSION = 128       # a model payload's tables are at most this many times its bytes
+MODEL_EXPANSION = 16        # a model payload's tables are at most this many times its bytes
 
 
 def joint_sets(num_experts: int, top_k: int) -> int:
@@ -86,21 +86,27 @@ def payload_limits(num_layers: int, num_experts: int, top_k: int) -> tuple[int, 
 
 def set_index(rows: np.ndarray) -> np.ndarray:
     """ids int [N, K] (distinct per row, any column order) -> the set's rank int64 [N] in
-    the combinatorial number system: sum_i C(s_i, i + 1), s ascending."""
-    s = np.sort(rows.astype(np.int64), axis=1)
-    out = np.zeros(s.shape[0], dtype=np.int64)
-    for i in range(s.shape[1]):
-        out += _binom(s[:, i], i + 1)
-    return out
+    the combinatorial number system: sum_i C(s_i, i + 1), s ascending.
+
+    NOTE: the binomials come from a table of exact integers (C(n, r) < 2^63 for n <= 64):
+    products of K factors overflowed int64 for K near E."""
+    s = np.sort(np.asarray(rows, dtype=np.int64), axis=1)
+    if not s.size:
+        return np.zeros(s.shape[0], dtype=np.int64)
+    table = _binomials(int(s.max()) + 1, s.shape[1])
+    return table[s, np.arange(1, s.shape[1] + 1)].sum(axis=1)
 
 
-def _binom(n: np.ndarray, r: int) -> np.ndarray:
-    out = np.ones_like(n)
-    for j in range(r):
-        out = out * (n - j)
-    for j in range(2, r + 1):
-        out //= j
-    return np.where(n >= r, out, 0)
+_BINOMIALS: dict[tuple[int, int], np.ndarray] = {}
+
+
+def _binomials(n: int, k: int) -> np.ndarray:
+    """int64 [n, k + 1]: C(i, r) for i < n, r <= k (n <= 65)."""
+    t = _BINOMIALS.get((n, k))
+    if t is None:
+        t = _BINOMIALS[(n, k)] = np.array([[comb(i, r) for r in range(k + 1)] for i in range(n)],
+                                          dtype=np.int64).reshape(n, k + 1)
+    return t
 
 
 @dataclasses.dataclass
@@ -299,11 +305,11 @@ class _Tables:
             self.joint = m.joint.astype(np.int64) * SCALE + SMOOTH * s          # [L, C, E]
             self.joint0 = _params(self.joint + 1)
             self.joint1 = None
-            if k > 1 and nl * c * e * e <= JOINT1_LIMIT:
+            if k > 1 and 4 * nl * c * e * e <= TABLES_MEMORY * table_bytes(nl, e, k):
                 self.joint1 = _params(_exclude_one(self.joint))                 # [L, C, E, E]
 
 
-JOINT1_LIMIT = 1 << 21      # entries of a joint column-1 table kept (int32: 8 MiB)
+TABLES_MEMORY = 16          # a joint column-1 table is kept where <= this x the model's tables
 
 
 def _exclude_one(base: np.ndarray) -> np.ndarray:
@@ -331,30 +337,38 @@ def _tables(model: XlModel) -> _Tables:
     return t
 
 
-def _column_params(tab: _Tables, lyr: int, up: np.ndarray | None, prev: np.ndarray,
+def _layer_context(tab: _Tables, up: np.ndarray | None) -> np.ndarray | None:
+    """The context of a layer's fresh rows, once per layer: None (the section's first
+    layer), their ids one layer up int [N, K] (no joint table), or their expert sets' ranks
+    int64 [N] (joint table)."""
+    if up is None or tab.joint is None:
+        return up
+    return set_index(up)
+
+
+def _column_params(tab: _Tables, lyr: int, ctx: np.ndarray | None, prev: np.ndarray,
                    j: int) -> np.ndarray:
     """Coder parameters float64 [n, E] of column ``j`` of n fresh rows of layer ``lyr``:
-    ``up`` int [n, K] their ids one layer up (None: the section's first layer), ``prev``
-    int [n, >= j] their columns before j (excluded)."""
+    ``ctx`` their context (:func:`_layer_context`, sliced to the n rows), ``prev`` int
+    [n, >= j] their columns before j (excluded)."""
     n = prev.shape[0]
     rows = np.arange(n)
-    if up is None:
+    if ctx is None:
         base, p0, p1 = tab.pop[lyr][None], tab.pop0[lyr][None], \
             None if tab.pop1 is None else tab.pop1[lyr]
     elif tab.joint is None:
-        base, p0, p1 = tab.succ[lyr][up].sum(axis=1), None, None
+        base, p0, p1 = tab.succ[lyr][ctx].sum(axis=1), None, None
     else:
-        c = set_index(up)
-        base, p0 = tab.joint[lyr][c], tab.joint0[lyr][c]
-        p1 = None if tab.joint1 is None else tab.joint1[lyr][c]
+        base, p0 = tab.joint[lyr][ctx], tab.joint0[lyr][ctx]
+        p1 = None if tab.joint1 is None else tab.joint1[lyr][ctx]
     if j == 0 and p0 is not None:
         return np.ascontiguousarray(np.broadcast_to(p0, (n, p0.shape[-1])), dtype=np.float64)
     if j == 1 and p1 is not None:
         x0 = prev[:, 0].astype(np.int64)
         return np.ascontiguousarray(p1[x0] if p1.ndim == 2 else p1[rows, x0], dtype=np.float64)
     taken = np.zeros((n, base.shape[-1]), dtype=bool)
-    for m in range(j):
-        taken[rows, prev[:, m]] = True
+    if j:
+        taken[rows[:, None], prev[:, :j]] = True          # NOTE: one call, whatever j
     return (ans.frequencies(_column_weights(base, taken)) - 1).astype(np.float64)
 
 
@@ -393,11 +407,12 @@ def _plan(ids: np.ndarray, model: XlModel, l0: int):
             ctx = rep[1:, lp - 1].astype(np.int64) if lp else np.full(t - 1, NONE_CTX)
             yield rep[1:, lp].astype(np.int32), tab.flags[lyr][ctx].astype(np.float64)
         fresh = np.nonzero(~rep[:, lp])[0]
+        ctx = _layer_context(tab, ids[fresh, lp - 1] if lp else None)
         for j in range(k):
             for sl in _chunks(fresh.size):
                 f = fresh[sl]
                 yield ids[f, lp, j].astype(np.int32), _column_params(
-                    tab, lyr, ids[f, lp - 1] if lp else None, ids[f, lp], j)
+                    tab, lyr, None if ctx is None else ctx[sl], ids[f, lp], j)
 
 
 def encode(ids: np.ndarray, model: XlModel, l0: int) -> bytes:
@@ -468,10 +483,11 @@ def decode(data: bytes, shape: tuple[int, int, int], dtype: np.dtype, model: XlM
         if spent > budget:
             raise SidecarError(f"xl-ans section of {len(data)} bytes needs more coder work "
                                f"than the reader's limit of {WORK_PER_BYTE} per byte (at {where})")
+        ctx = _layer_context(tab, out[fresh, lp - 1] if lp else None)
         for j in range(k):
             for sl in _chunks(fresh.size):
                 f = fresh[sl]
-                p = _column_params(tab, lyr, out[f, lp - 1] if lp else None, out[f, lp], j)
+                p = _column_params(tab, lyr, None if ctx is None else ctx[sl], out[f, lp], j)
                 x = dec.decode_params(p, where)
                 if j and (out[f, lp, :j] == x[:, None]).any():
                     raise SidecarError(f"xl-ans section repeats an expert in a row at {where}")

@@ -392,6 +392,8 @@ class SidecarReader:
         """
         m = self._models.get(off)
         if m is not None and (before is None or off < before):
+            if isinstance(m, SidecarError):
+                raise m                     # NOTE: refused once, not read again per section
             return m
         s = self.schema
         end = self._index_offset if self.complete and self._index_offset is not None \
@@ -409,7 +411,11 @@ class SidecarReader:
             raise SidecarError(f"xl-ans model frame at offset {off}: the stream names more "
                                f"than {MAX_STREAM_MODELS} model frames (the reader's limit; "
                                f"writers write at most {MAX_STREAM_MODELS - 4})", offset=off)
-        fh = parse_frame_header(self._read(off, FRAME_HEADER_SIZE), off, self.size)
+        try:
+            fh = parse_frame_header(self._read(off, FRAME_HEADER_SIZE), off, self.size)
+        except SidecarError as e:
+            self._models[off] = SidecarError(f"xl-ans model offset {off}: {e}", offset=off)
+            raise self._models[off] from None
         if fh.kind != KIND_MODEL:
             raise SidecarError(f"frame at offset {off} is not an xl-ans model frame (kind "
                                f"{fh.kind})", offset=off)
@@ -423,8 +429,10 @@ class SidecarReader:
             m = xl_ans.XlModel.from_bytes(payload, s.num_moe_layers, s.num_experts, s.top_k)
         except SidecarError as e:
             msg = str(e).replace(f"corrupt frame at offset {off}: ", "")
-            raise SidecarError(f"xl-ans model frame at offset {off}: {msg} (the sections "
-                               "that name it are unreadable)", offset=off) from None
+            err = SidecarError(f"xl-ans model frame at offset {off}: {msg} (the sections "
+                               "that name it are unreadable)", offset=off)
+            self._models[off] = err
+            raise err from None
         self._models[off] = m
         return m
 

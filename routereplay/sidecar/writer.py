@@ -37,6 +37,7 @@ MODEL_FIRST_ROWS = 8192       # token-layer rows counted before the first model
 MODEL_FIRST_SHARE = 1 / 16    # the first model frame: at most this share of the raw ids so far
 MODEL_SHARE = 1 / 64          # all model frames together, once there is one
 MODEL_REFRESH = 4             # a new model is learned from this many times the rows
+SEED_COUNT_MAX = 1 << 40      # a seed's counts (scaling them stays within int64)
 SEED_ROWS = 1 << 20           # a seed (xl_ans_seed) counts as at most this many rows
 MAX_MODELS = 12               # model frames a stream gets (readers parse at most 16)
 
@@ -60,9 +61,10 @@ def _check_seed(seed: Any, codec: str, schema: RoutingSchema) -> None:
               (s.num_moe_layers, xl_ans.joint_sets(s.num_experts, s.top_k), s.num_experts)]
     for a, shape in zip((seed.flags, seed.pop, seed.pair, seed.joint), shapes):
         a = np.asarray(a)
-        if a.shape != shape or a.dtype.kind not in "iu" or (a.size and int(a.min()) < 0):
-            raise ConfigError(f"xl_ans_seed counts must be non-negative integer arrays of "
-                              f"shapes {shapes}")
+        if a.shape != shape or a.dtype.kind not in "iu" or (a.size and (
+                int(a.min()) < 0 or int(a.max()) > SEED_COUNT_MAX)):
+            raise ConfigError(f"xl_ans_seed counts must be integer arrays of shapes {shapes} "
+                              f"with counts in [0, 2^40]")
 
 
 def writer_codec(codec: str | None, column_order: str = "engine",

@@ -403,7 +403,7 @@ CASES["tiny sections at the expansion limit"] = lambda schema: slack_records(sch
 XL_ANS_CODECS = ("xl-ans", "xl-zstd", "ctx-zstd", "raw-lm", "zstd", "raw")
 
 
-def xl_ans_model_thrash(schema: RoutingSchema, nbytes: int = MiB, num_layers: int = 256,
+def xl_ans_model_thrash(schema: RoutingSchema, nbytes: int = MiB, num_layers: int = 64,
                         num_models: int = 9, num_experts: int = 64, seed: int = 18) -> bytes:
     """xl-ans (issue 18 attacker review): one model frame referenced once per section,
     round robin over one more model frame than the reader's cache holds (MODEL_CACHE = 8).
@@ -412,10 +412,12 @@ def xl_ans_model_thrash(schema: RoutingSchema, nbytes: int = MiB, num_layers: in
     frames at different offsets (payload just above the reader's floor of ceil(n / 128)
     bytes, n = 2 x L x (6 + E + E^2 + C x E), ~16.5 KB of tables a layer), then records of
     one-layer sections (a grid of G = 1), each a valid ``xl-ans`` section of a few rows at
-    the reader's floor (16 bytes per coder call: 32 bytes), section j of record i naming
+    the reader's floor (32 bytes per coder call: 64 bytes), section j of record i naming
     model ``(i x L + j) % num_models``. While the reader kept the last 8 models (keyed by
     offset), every section read re-read, re-checked and re-decompressed a whole model:
-    128 x its payload (~2 MB at L = 256) for ~30 stored bytes (58 s of CPU per MiB). Now a
+    128 x its payload (~2 MB at L = 256) for ~30 stored bytes (58 s of CPU per MiB; default
+    L = 64 since model payloads must hold 1/16 of their tables, which left no room for
+    records in 1 MiB at L = 256). Now a
     reader parses each of at most 16 model frames once; what is left is the per-section
     fixed cost at the floor. Every record reads back exactly as encoded; with
     ``num_models`` > 16 the records naming the 17th are refused.
@@ -531,3 +533,52 @@ CASES["xl-ans one long section"] = lambda schema: xl_ans_dense_rows(
 # NOTE: more model frames than a reader parses (16), named in turn: refused at the 17th
 CASES["xl-ans more model frames than the reader's limit"] = lambda schema: xl_ans_model_thrash(
     schema, num_models=17)
+
+
+def xl_ans_calls_at_floor(schema: RoutingSchema, nbytes: int = MiB, num_layers: int = 64,
+                          num_experts: int = 64, top_k: int = 8) -> bytes:
+    """xl-ans (issue 18, second attacker review): the most coder calls per stored byte.
+    One model frame, then records of one section (no grid: G = L_moe layers) whose words
+    sit at the reader's floor (32 bytes per coder call, G x (1 + K) calls), every row fresh
+    with ids the model finds improbable. Every record reads back exactly as encoded; what
+    it measures is a coder call's fixed cost. ``schema`` is ignored (xl-ans models at most
+    64 experts)."""
+    from routereplay.codec import xl_ans
+    from routereplay.sidecar.layout import KIND_MODEL, varint
+    e, k, nl = num_experts, top_k, num_layers
+    sch = RoutingSchema(nl, tuple(range(nl)), k, e)
+    rng = np.random.default_rng(2)
+    m = xl_ans.XlModel.empty(nl, e, k)
+    m.flags[:, :, 0] = 0xFFFF
+    m.pop[:, :k] = 0xFFFF                        # experts 0..K-1 likely: the ids avoid them
+    m.pair[:, :, :k] = 0xFFFF
+    least, _ = xl_ans.payload_limits(nl, e, k)
+    flat = (m.joint if m.joint.shape[1] else m.pair).reshape(-1)
+    cells = 16
+    while len(m.to_bytes()) < least:             # random counts up to the payload floor
+        flat[-cells:] = rng.integers(0, 1 << 16, cells)
+        cells = min(2 * cells, flat.size)
+    payload = m.to_bytes()
+    model = xl_ans.XlModel.from_bytes(payload, nl, e, k)
+    head = encode_header(sch, "xl-ans", codecs=XL_ANS_CODECS, stream_id="00" * 8)
+    out = [head, encode_frame(KIND_MODEL, payload)]
+    off, pos = len(head), len(head) + len(out[1])
+    t = 1
+    while True:                                  # the fewest rows that reach the floor
+        ids = (k + np.argsort(rng.random((t, nl, e - k)), axis=-1)[..., :k]).astype(np.uint8)
+        words = xl_ans.encode(ids, model, 0)
+        if len(words) >= xl_ans.least_bytes(nl, k):
+            break
+        t += 1
+    sec = varint(off) + words
+    i = 0
+    while pos < nbytes:
+        f = encode_frame(KIND_RECORD, _payload.assemble(_payload.encode_meta(f"c{i:07d}", t),
+                                                        [(0, sec)]))
+        out.append(f)
+        pos += len(f)
+        i += 1
+    return b"".join(out)
+
+
+CASES["xl-ans coder calls at the floor"] = xl_ans_calls_at_floor
