@@ -422,7 +422,79 @@ def test_convert_from_a_killed_writers_stream_keeps_every_record_before_the_tear
     r = SidecarReader(str(out))
     assert r.sample_ids() == [f"s{i}" for i in range(4)] and r.complete
     assert all(np.array_equal(r.read(f"s{i}").expert_ids, recs[i]) for i in range(4))
-    assert r.header["extra"] == {"weight_version": "v7", "source": "sidecar"}
+    assert r.header["extra"] == {"source": "sidecar", "weight_version": "v7",
+                                 "converted_from": "sidecar"}
+    # a corrupt record in the middle: stops there, or with --skip-corrupt goes past it
+    data = bytearray(src.read_bytes())
+    data[_frames_live(bytes(data))[2] + 40] ^= 0xFF                  # inside record s2
+    src.write_bytes(bytes(data))
+    for flags, kept in (([], 2), (["--skip-corrupt"], 3)):
+        out.unlink(missing_ok=True)
+        p = run_py(["-m", "routereplay.cli", "convert", "--from", "sidecar", str(src), "--out",
+                    str(out), *flags], timeout=60)
+        assert p.returncode == 1, p.stderr
+        assert len(SidecarReader(str(out)).sample_ids()) == kept
+        assert ("skipped: " in p.stderr) == bool(flags)
+
+
+def _frames_live(data: bytes) -> list[int]:
+    """Record frame offsets of a stream without an index."""
+    from routereplay.sidecar.layout import FRAME_HEADER_SIZE
+    r = SidecarReader(data)
+    off, out = r._data_start, []
+    while off + FRAME_HEADER_SIZE <= len(data):
+        try:
+            fh = parse_frame_header(data[off:off + 24], off, len(data))
+        except SidecarError:
+            break
+        out.append(off)
+        off = fh.end
+    return out
+
+
+def test_convert_merges_a_folder_of_streams_and_seeds_from_a_previous_one(tmp_path):
+    """Streams of one step (one per weight version or engine process) converted as one
+    stream, so xl-ans learns one model for them all, seeded from the previous step's
+    (--seed-from): smaller than converting them one by one (framework review)."""
+    from tests.conftest import run_py
+    src = _source(16, 8, 2)
+    rng = np.random.default_rng(3)
+    schema = RoutingSchema(16, tuple(range(16)), 2, 8)
+    step = tmp_path / "step"
+    step.mkdir()
+    recs = {}
+    for s in range(4):
+        w = SidecarWriter(str(step / f"s{s}.rrsc"), schema, background=False)
+        for i in range(6):
+            x = src.sample(rng, 600)[0]
+            recs[f"v{s}-{i}"] = x
+            w.write(RoutingRecord(f"v{s}-{i}", x))
+        w.close()
+    prev = tmp_path / "prev.rrsc"
+    w = SidecarWriter(str(prev), schema, codec="xl-ans", background=False)
+    for i in range(24):
+        w.write(RoutingRecord(f"p{i}", src.sample(rng, 600)[0]))
+    w.close()
+    sizes = {}
+    for name, extra in (("merged", []), ("seeded", ["--seed-from", str(prev)])):
+        out = tmp_path / f"{name}.rrsc"
+        p = run_py(["-m", "routereplay.cli", "convert", "--from", "sidecar", str(step),
+                    "--out", str(out), "--codec", "xl-ans", *extra], timeout=120)
+        assert p.returncode == 0, p.stderr
+        r = SidecarReader(str(out))
+        assert sorted(r.sample_ids()) == sorted(recs)
+        assert all(np.array_equal(r.read(k).expert_ids, x) for k, x in recs.items())
+        sizes[name] = out.stat().st_size
+    one_by_one = 0
+    for s in range(4):
+        out = tmp_path / f"one{s}.rrsc"
+        p = run_py(["-m", "routereplay.cli", "convert", "--from", "sidecar",
+                    str(step / f"s{s}.rrsc"), "--out", str(out), "--codec", "xl-ans"],
+                   timeout=120)
+        assert p.returncode == 0, p.stderr
+        one_by_one += out.stat().st_size
+    assert sizes["seeded"] < sizes["merged"] < one_by_one, (sizes, one_by_one)
+
 
 
 def test_set_index_is_exact_where_products_overflowed():

@@ -26,7 +26,7 @@ import stat
 import sys
 from typing import Any, Iterable
 
-from routereplay.errors import ConfigError, RouteReplayError
+from routereplay.errors import ConfigError, RouteReplayError, SidecarError
 
 # NOTE: the extra that provides each optional import, for the one-line message a missing
 # dependency gets (pyproject.toml [project.optional-dependencies]).
@@ -292,34 +292,49 @@ def _cmd_convert(a: argparse.Namespace) -> int:
     return _convert(a, schema)
 
 
-def _sidecar_records(reader) -> Any:
-    """``reader``'s records in stream order, for ``convert --from sidecar``: each record
-    that reads is yielded; at the first frame that does not (corrupt, unreadable sections)
-    and at a torn tail, a RouteReplayError names it and how many records came before.
+def _sidecar_records(readers: list, skip: bool) -> Any:
+    """The records of ``readers`` (streams in order, each in stream order), for ``convert
+    --from sidecar``. At a frame that does not read (corrupt, unreadable sections) or a torn
+    tail: a RouteReplayError naming it and how many records came before, or with ``skip``
+    a line on stderr and on to the next frame, then one RouteReplayError at the end naming
+    how many were skipped (nothing is dropped silently).
 
     NOTE: ``records(strict=True)`` refuses a stream with any error before yielding a
     record, which converted nothing from a killed writer's stream."""
-    n = 0
-    for fi in reader.scan():
-        if fi.meta is None:
-            raise RouteReplayError(f"frame at offset {fi.offset}: {fi.error}; the {n} records "
-                                   "before it were converted")
-        try:
-            rec = reader.read(fi.meta.sample_id)
-        except RouteReplayError as e:
-            raise RouteReplayError(f"{e}; the {n} records before it were converted") from None
-        n += 1
-        yield rec
-    if reader.errors:
-        raise RouteReplayError(f"{reader.errors[0]}; the {n} records before it were converted")
+    n, skipped = 0, []
+
+    def bad(msg: str) -> None:
+        if not skip:
+            raise RouteReplayError(f"{msg}; the {n} records before it were converted")
+        skipped.append(msg)
+        print(_printable(f"routereplay convert: skipped: {msg}"), file=sys.stderr)
+    for reader in readers:
+        for fi in reader.scan():
+            if fi.meta is None:
+                bad(f"{reader.name}: frame at offset {fi.offset}: {fi.error}")
+                continue
+            try:
+                rec = reader.read(fi.meta.sample_id)
+            except RouteReplayError as e:
+                bad(f"{reader.name}: {e}")
+                continue
+            n += 1
+            yield rec
+        for e in reader.errors:
+            if not any(e in m for m in skipped):
+                bad(f"{reader.name}: {e}")
+    if skipped:
+        raise RouteReplayError(f"{len(skipped)} frames or records skipped (listed above); the "
+                               f"{n} records that read were converted")
 
 
 def _convert(a: argparse.Namespace, schema) -> int:
     """convert's reading and writing, once the arguments are checked (``schema`` None:
     ``--from sidecar``, the input stream's)."""
     from routereplay.convert import iter_records
-    from routereplay.sidecar import SidecarReader, SidecarWriter, writer_codec
-    if "://" not in a.input:
+    from routereplay.sidecar import MultiSidecarReader, SidecarWriter, writer_codec
+    pattern = a.kind == "sidecar" and any(c in a.input for c in "*?[")
+    if "://" not in a.input and not pattern:
         if not os.path.exists(a.input):
             raise RouteReplayError(f"input {a.input} does not exist")
         mode = os.stat(a.input).st_mode
@@ -336,21 +351,34 @@ def _convert(a: argparse.Namespace, schema) -> int:
     n = tokens = 0
     # NOTE: records are written as they are read; on a bad sample the writer still closes
     # (index + trailer), so every sample before it stays readable.
-    reader, extra = None, {}
+    reader, extra, seed = None, {}, {}
     if a.kind == "sidecar":
-        reader = SidecarReader(a.input)
+        # NOTE: a file, a folder or a glob of streams (one per weight version, say) read as
+        # one and written as one stream: xl-ans learns one model for all of them
+        reader = _open([a.input])
+        readers = reader.readers if isinstance(reader, MultiSidecarReader) else [reader]
         schema = reader.schema
         try:
             writer_codec(a.codec, a.column_order, a.format_version, schema)
-        except ConfigError as e:
+            if a.seed_from:
+                if a.codec != "xl-ans":
+                    raise ConfigError("--seed-from is for --codec xl-ans")
+                with _open([a.seed_from]) as sr:
+                    model = sr.xl_ans_model()
+                if model is None:
+                    raise ConfigError(f"--seed-from {a.seed_from}: no xl-ans model frame")
+                seed = {"xl_ans_seed": model}
+        except (ConfigError, SidecarError) as e:
             reader.close()
-            raise UsageError(f"--codec: {e}") from None
-        if reader.column_order == "sorted" and a.column_order != "sorted":
+            raise UsageError(f"--codec/--seed-from: {e}") from None
+        if any(rd.column_order == "sorted" for rd in readers) and a.column_order != "sorted":
             reader.close()
             raise UsageError(f"{a.input} stores rows in sorted column order, which is not the "
                              "engine's: pass --column-order sorted")
-        records = _sidecar_records(reader)
-        extra = dict(reader.header.get("extra") or {})
+        records = _sidecar_records(readers, a.skip_corrupt)
+        extra = dict(readers[0].header.get("extra") or {}) if len(readers) == 1 \
+            else {"streams": len(readers)}
+        extra = {"source": "sidecar", **extra, "converted_from": "sidecar"}
     elif a.kind == "sglang-json":
         from engine_patches.sglang.records import iter_jsonl   # lazy: engine side
         records = iter_jsonl(a.input, schema, num_fused_shared_experts=a.num_fused_shared_experts)
@@ -361,7 +389,7 @@ def _convert(a: argparse.Namespace, schema) -> int:
         with SidecarWriter(dest, schema, codec=a.codec, column_order=a.column_order,
                            layer_group=a.layer_group, token_block=a.token_block,
                            format_version=a.format_version,
-                           extra_header={**extra, "source": a.kind}) as w:
+                           extra_header=extra or {"source": a.kind}, **seed) as w:
             for rec in _progress(records, a, desc="convert", unit="record"):
                 w.write(rec)
                 n += 1
@@ -547,8 +575,9 @@ def build_parser() -> argparse.ArgumentParser:
                    choices=["npy", "vllm", "vllm-b64", "sglang-b64", "sglang-json", "sidecar"])
     c.add_argument("input", help=".npy / .npz / folder (npy, vllm), a text/JSONL file (*-b64), "
                                  "saved SGLang responses, one JSON object per line (sglang-json), "
-                                 "or a sidecar stream to re-encode with another codec or "
-                                 "geometry (sidecar: schema and every record field kept)")
+                                 "or sidecar streams (a file, folder or glob, read as one) to "
+                                 "re-encode as one stream with another codec or geometry "
+                                 "(sidecar: schema and every record field kept)")
     c.add_argument("--out", required=True, help="sidecar path or fsspec URL")
     c.add_argument("--config", help="HF config folder or config.json giving the routing schema")
     c.add_argument("--num-experts", type=_positive_int)
@@ -560,7 +589,7 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--codec", default=None, choices=CODECS,
                    help="routing codec (default xl-zstd, ctx-zstd with --format-version 2; "
                         "ctx-ans-sorted with --column-order sorted; xl-ans: smallest on routing "
-                        "whose layers depend on each other, E <= 64, ~10 MB/s; ctx-ans: small, "
+                        "whose layers depend on each other, E <= 64, 2-10 MB/s; ctx-ans: small, "
                         "slower)")
     c.add_argument("--column-order", default="engine", choices=["engine", "sorted"])
     c.add_argument("--layer-group", type=_positive_int, default=None,
@@ -570,6 +599,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="tokens per routing section of records over 64 KiB of ids (default 512)")
     c.add_argument("--format-version", type=int, choices=[2, 3], default=3,
                    help="3 (default), or 2 for routereplay readers older than format 3")
+    c.add_argument("--seed-from", metavar="SIDECAR",
+                   help="sidecar: start the xl-ans model from the last model frame of these "
+                        "streams (file, folder or glob), e.g. the previous weight version's")
+    c.add_argument("--skip-corrupt", action="store_true",
+                   help="sidecar: convert past frames and records that do not read, each "
+                        "named on stderr (exit status 1 still)")
     c.add_argument("--num-fused-shared-experts", type=_nonneg_int, default=0, metavar="N",
                    help="sglang-b64/sglang-json: fused shared-expert columns each payload row "
                    "carries after the top_k routed ones (default 0; SGLang 0.5.23 strips them); "

@@ -245,6 +245,19 @@ class MultiSidecarReader:
         return sum(r.size for r in self.readers)
 
     @_serialized
+    def xl_ans_model(self) -> Any:
+        """The ``xl-ans`` model of the last stream that has one (its last model frame; see
+        :meth:`SidecarReader.xl_ans_model`), to seed a later stream; None where none has.
+
+        Raises:
+            SidecarError: that model frame is corrupt."""
+        for r in reversed(self.readers):
+            m = r.xl_ans_model()
+            if m is not None:
+                return m
+        return None
+
+    @_serialized
     def close(self) -> None:
         """Close every stream."""
         for r in self.readers:
