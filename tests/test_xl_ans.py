@@ -534,3 +534,54 @@ def test_a_model_frame_that_fails_to_parse_is_refused_once(monkeypatch):
         with pytest.raises(SidecarError, match="not exactly one zstd frame"):
             r.read(s)
     assert len(calls) == 1
+
+
+def test_convert_from_sidecar_never_writes_over_its_inputs(tmp_path):
+    """The third attacker review: a file:// --out (or input) skipped every output check and
+    wrote over the input in place; --seed-from was not an input (a typo overwrote the
+    previous step's stream); an empty input reported an old --out as written; a corrupt
+    record was counted three times by --skip-corrupt; a stale OUT.partial link was
+    written through."""
+    from tests.conftest import run_py
+    schema = RoutingSchema(4, (0, 1, 2, 3), 2, 8)
+    rng = np.random.default_rng(5)
+
+    def stream(path, n, prefix):
+        w = SidecarWriter(str(path), schema, background=False)
+        for i in range(n):
+            w.write(RoutingRecord(f"{prefix}{i}", np.argsort(
+                rng.random((30, 4, 8)), axis=-1)[..., :2].astype(np.uint8)))
+        w.close()
+        return path.read_bytes()
+
+    def convert(*args):
+        return run_py(["-m", "routereplay.cli", "convert", "--from", "sidecar", *map(str, args)],
+                      timeout=60)
+    inp = tmp_path / "in.rrsc"
+    before = stream(inp, 4, "i")
+    for out in (f"file://{inp}",):
+        p = convert(inp, "--out", out)
+        assert p.returncode == 2 and "is the input" in p.stderr and inp.read_bytes() == before
+    p = convert(f"file://{inp}", "--out", inp)
+    assert p.returncode == 2 and inp.read_bytes() == before
+    prev = tmp_path / "prev.rrsc"
+    prev_bytes = stream(prev, 3, "p")
+    p = convert(inp, "--out", prev, "--codec", "xl-ans", "--seed-from", prev)
+    assert p.returncode == 2 and "is the input" in p.stderr and prev.read_bytes() == prev_bytes
+    empty = tmp_path / "empty.rrsc"
+    SidecarWriter(str(empty), schema, background=False).close()
+    p = convert(empty, "--out", prev)
+    assert p.returncode == 1 and "nothing written" in p.stderr and prev.read_bytes() == prev_bytes
+    # one corrupt record, --skip-corrupt: named once
+    data = bytearray(before)
+    data[_frames_live(bytes(data))[1] + 40] ^= 0xFF
+    bad = tmp_path / "bad.rrsc"
+    bad.write_bytes(bytes(data))
+    out = tmp_path / "out.rrsc"
+    precious = tmp_path / "precious.txt"
+    precious.write_bytes(b"keep me\n")
+    (tmp_path / "out.rrsc.partial").symlink_to(precious)
+    p = convert(bad, "--out", out, "--skip-corrupt")
+    assert p.returncode == 1 and p.stderr.count("skipped:") == 1 and "1 frames or records" in p.stderr
+    assert SidecarReader(str(out)).sample_ids() == ["i0", "i2", "i3"]
+    assert precious.read_bytes() == b"keep me\n" and not out.is_symlink()

@@ -215,12 +215,17 @@ def _emit_inspect(out: dict, as_json: bool, rc: int) -> int:
     return rc
 
 
+def _local_path(s: str) -> str:
+    """A ``file://`` URL as the local path it names (checked like one); others unchanged."""
+    return s[len("file://"):] if s.startswith("file://") else s
+
+
 def _input_files(inputs: list[str]) -> list[str]:
     """The local paths the input arguments name: files, folders (and every file in them),
     and what globs match (so an output can be compared with each)."""
     import glob as _glob
     out: list[str] = []
-    for src in inputs:
+    for src in map(_local_path, inputs):
         if "://" in src:
             continue
         matched = _glob.glob(src) if any(c in src for c in "*?[") else [src]
@@ -234,7 +239,9 @@ def _input_files(inputs: list[str]) -> list[str]:
 def _check_out(out: str, inputs: list[str], option: str = "--out") -> None:
     """Refuse an output path that is a folder, or one of (or inside) the inputs, or whose
     temporary file (``out + '.partial'``) is one of them: globs and folders are expanded
-    first, so no spelling of an input can be overwritten or removed."""
+    first, so no spelling of an input can be overwritten or removed (``file://`` URLs are
+    checked as the paths they name)."""
+    out = _local_path(out)
     if "://" in out:
         return
     if os.path.isdir(out):
@@ -320,9 +327,18 @@ def _sidecar_records(readers: list, skip: bool) -> Any:
                 continue
             n += 1
             yield rec
-        for e in reader.errors:
-            if not any(e in m for m in skipped):
-                bad(f"{reader.name}: {e}")
+        # NOTE: corrupt frames came above (a scan lists them); beyond the first
+        # MAX_REPORTED only their count is kept; a torn tail ends the stream
+        from routereplay.sidecar.reader import MAX_REPORTED
+        if reader._num_corrupt > MAX_REPORTED:
+            bad(f"{reader.name}: {reader._num_corrupt - MAX_REPORTED} more corrupt frames")
+        if reader.torn_tail is not None:
+            bad(f"{reader.name}: torn tail at offset {reader.torn_tail} (a frame cut short)")
+        elif not reader.complete:
+            print(_printable(f"routereplay convert: warning: {reader.name} is not complete (no "
+                             "index and trailer: its writer is still running or was killed); "
+                             "records written to it later are not in the output"),
+                  file=sys.stderr)
     if skipped:
         raise RouteReplayError(f"{len(skipped)} frames or records skipped (listed above); the "
                                f"{n} records that read were converted")
@@ -333,6 +349,11 @@ def _convert(a: argparse.Namespace, schema) -> int:
     ``--from sidecar``, the input stream's)."""
     from routereplay.convert import iter_records
     from routereplay.sidecar import MultiSidecarReader, SidecarWriter, writer_codec
+    # NOTE: file:// URLs are local files: written through a .partial file and checked
+    # against the inputs like paths (a URL output once wrote over its input in place)
+    a.out, a.input = _local_path(a.out), _local_path(a.input)
+    if getattr(a, "seed_from", None):
+        a.seed_from = _local_path(a.seed_from)
     pattern = a.kind == "sidecar" and any(c in a.input for c in "*?[")
     if "://" not in a.input and not pattern:
         if not os.path.exists(a.input):
@@ -341,14 +362,17 @@ def _convert(a: argparse.Namespace, schema) -> int:
         if not (stat.S_ISREG(mode) or stat.S_ISDIR(mode)):
             # NOTE: a FIFO or device would block the read (or never end)
             raise RouteReplayError(f"input {a.input} is not a regular file")
-    _check_out(a.out, [a.input])
+    _check_out(a.out, [a.input] + ([a.seed_from] if getattr(a, "seed_from", None) else []))
     local = "://" not in a.out
     if not local or "://" in a.input:
         _require("fsspec")
     # NOTE: write next to the target and rename at the end, so a failed conversion never
     # truncates an existing file at --out before any input was read.
     dest = a.out + ".partial" if local else a.out
+    if local and os.path.lexists(dest):
+        os.unlink(dest)             # NOTE: a stale one (or a link): never written through
     n = tokens = 0
+    interrupted = False
     # NOTE: records are written as they are read; on a bad sample the writer still closes
     # (index + trailer), so every sample before it stays readable.
     reader, extra, seed = None, {}, {}
@@ -363,21 +387,36 @@ def _convert(a: argparse.Namespace, schema) -> int:
             if a.seed_from:
                 if a.codec != "xl-ans":
                     raise ConfigError("--seed-from is for --codec xl-ans")
-                with _open([a.seed_from]) as sr:
-                    model = sr.xl_ans_model()
-                if model is None:
-                    raise ConfigError(f"--seed-from {a.seed_from}: no xl-ans model frame")
+                try:
+                    with _open([a.seed_from]) as sr:
+                        model = sr.xl_ans_model()
+                    if model is None:
+                        raise ConfigError("no xl-ans model frame")
+                    from routereplay.sidecar.writer import _check_seed
+                    _check_seed(model, "xl-ans", schema)
+                except (ConfigError, SidecarError) as e:
+                    raise ConfigError(f"--seed-from {a.seed_from}: {e}") from None
                 seed = {"xl_ans_seed": model}
         except (ConfigError, SidecarError) as e:
             reader.close()
-            raise UsageError(f"--codec/--seed-from: {e}") from None
-        if any(rd.column_order == "sorted" for rd in readers) and a.column_order != "sorted":
+            raise UsageError(str(e) if str(e).startswith("--seed-from") else f"--codec: {e}") \
+                from None
+        orders = {rd.column_order for rd in readers}
+        if len(orders) > 1:
+            reader.close()
+            raise UsageError(f"{a.input}: its streams mix column orders (engine and sorted); "
+                             "convert them apart (sorted rows cannot be put back in the "
+                             "engine's order)")
+        if orders == {"sorted"} and a.column_order != "sorted":
             reader.close()
             raise UsageError(f"{a.input} stores rows in sorted column order, which is not the "
                              "engine's: pass --column-order sorted")
         records = _sidecar_records(readers, a.skip_corrupt)
-        extra = dict(readers[0].header.get("extra") or {}) if len(readers) == 1 \
-            else {"streams": len(readers)}
+        # NOTE: several streams: the extras they all share (same key, same value)
+        extras = [dict(rd.header.get("extra") or {}) for rd in readers]
+        extra = {k: v for k, v in extras[0].items() if all(x.get(k) == v for x in extras[1:])}
+        if len(readers) > 1:
+            extra["streams"] = len(readers)
         extra = {"source": "sidecar", **extra, "converted_from": "sidecar"}
     elif a.kind == "sglang-json":
         from engine_patches.sglang.records import iter_jsonl   # lazy: engine side
@@ -396,18 +435,25 @@ def _convert(a: argparse.Namespace, schema) -> int:
                 tokens += rec.num_tokens
     except RouteReplayError as e:
         msg = str(e)
+        if not n:
+            msg += f"; no record was converted, nothing written to {a.out}"
         raise (UsageError if isinstance(e, ConfigError) else RouteReplayError)(
             msg if a.input in msg else f"{a.input}: {msg}") from None
+    except BaseException:
+        interrupted = True          # NOTE: Ctrl-C: an existing --out is not replaced
+        raise
     finally:
         if reader is not None:
             reader.close()
         if local and os.path.exists(dest):
             try:
-                if n:
+                if n and not interrupted:
                     os.replace(dest, a.out)     # every sample before a bad one is kept
             finally:
                 if os.path.exists(dest):
                     os.remove(dest)
+    if not n:
+        raise RouteReplayError(f"{a.input}: no record to convert; nothing written to {a.out}")
     size = os.path.getsize(a.out) if local else w.bytes_written
     rows = tokens * schema.num_moe_layers
     print(f"wrote {n} records, {tokens} tokens, {size} bytes"
