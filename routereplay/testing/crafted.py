@@ -405,22 +405,19 @@ XL_ANS_CODECS = ("xl-ans", "xl-zstd", "ctx-zstd", "raw-lm", "zstd", "raw")
 
 def xl_ans_model_thrash(schema: RoutingSchema, nbytes: int = MiB, num_layers: int = 64,
                         num_models: int = 9, num_experts: int = 64, seed: int = 18) -> bytes:
-    """xl-ans (issue 18 attacker review): one model frame referenced once per section,
-    round robin over one more model frame than the reader's cache holds (MODEL_CACHE = 8).
+    """xl-ans (issue 18 attacker review): model frames named in turn by one-layer sections.
 
     A stream of ``num_layers`` MoE layers, top-1 of E=64: ``num_models`` identical model
-    frames at different offsets (payload just above the reader's floor of ceil(n / 128)
-    bytes, n = 2 x L x (6 + E + E^2 + C x E), ~16.5 KB of tables a layer), then records of
-    one-layer sections (a grid of G = 1), each a valid ``xl-ans`` section of a few rows at
-    the reader's floor (32 bytes per coder call: 64 bytes), section j of record i naming
-    model ``(i x L + j) % num_models``. While the reader kept the last 8 models (keyed by
-    offset), every section read re-read, re-checked and re-decompressed a whole model:
-    128 x its payload (~2 MB at L = 256) for ~30 stored bytes (58 s of CPU per MiB; default
-    L = 64 since model payloads must hold 1/16 of their tables, which left no room for
-    records in 1 MiB at L = 256). Now a
-    reader parses each of at most 16 model frames once; what is left is the per-section
-    fixed cost at the floor. Every record reads back exactly as encoded; with
-    ``num_models`` > 16 the records naming the 17th are refused.
+    frames at different offsets (payload just above the reader's floor of ceil(n / 16)
+    bytes, n = 2 x L x (6 + E + E^2 + C x E) bytes of tables), then records of one-layer
+    sections (a grid of G = 1), each a valid ``xl-ans`` section of a few rows at the
+    reader's floor (32 bytes per coder call: 64 bytes), section j of record i naming model
+    ``(i x L + j) % num_models``. While readers kept the last 8 models (keyed by offset),
+    every section read re-read, re-checked and re-decompressed a whole model (58 s of CPU
+    per MiB at L = 256, when payloads needed only 1/128 of their tables). Now a reader
+    parses each of at most 16 model frames once; what is left is the per-section fixed
+    cost at the floor. Every record reads back exactly as encoded; with ``num_models`` > 16
+    the 17th model frame is refused.
 
     ``schema`` is ignored (xl-ans models at most 64 experts)."""
     from routereplay.codec import xl_ans
