@@ -585,3 +585,33 @@ def test_convert_from_sidecar_never_writes_over_its_inputs(tmp_path):
     assert p.returncode == 1 and p.stderr.count("skipped:") == 1 and "1 frames or records" in p.stderr
     assert SidecarReader(str(out)).sample_ids() == ["i0", "i2", "i3"]
     assert precious.read_bytes() == b"keep me\n" and not out.is_symlink()
+
+
+def test_convert_merging_streams_keeps_shared_extras_and_refuses_mixed_column_orders(tmp_path):
+    from tests.conftest import run_py
+    schema = RoutingSchema(4, (0, 1, 2, 3), 2, 8)
+    rng = np.random.default_rng(6)
+
+    def stream(path, prefix, extra, order="engine"):
+        w = SidecarWriter(str(path), schema, background=False, extra_header=extra,
+                          column_order=order)
+        for i in range(2):
+            w.write(RoutingRecord(f"{prefix}{i}", np.argsort(
+                rng.random((30, 4, 8)), axis=-1)[..., :2].astype(np.uint8)))
+        w.close()
+    d = tmp_path / "step"
+    d.mkdir()
+    stream(d / "a.rrsc", "a", {"run": "exp-7", "step": 12, "engine_rank": 0})
+    stream(d / "b.rrsc", "b", {"run": "exp-7", "step": 12, "engine_rank": 1})
+    out = tmp_path / "out.rrsc"
+    p = run_py(["-m", "routereplay.cli", "convert", "--from", "sidecar", str(d), "--out",
+                str(out)], timeout=60)
+    assert p.returncode == 0, p.stderr
+    assert SidecarReader(str(out)).header["extra"] == {
+        "source": "sidecar", "run": "exp-7", "step": 12, "streams": 2,
+        "converted_from": "sidecar"}
+    stream(d / "c.rrsc", "c", {}, order="sorted")
+    for flags in ([], ["--column-order", "sorted"]):
+        p = run_py(["-m", "routereplay.cli", "convert", "--from", "sidecar", str(d), "--out",
+                    str(tmp_path / "mixed.rrsc"), *flags], timeout=60)
+        assert p.returncode == 2 and "mix column orders" in p.stderr
