@@ -160,11 +160,8 @@ def decode(data: bytes, codec: str, shape: tuple[int, int, int], dtype: np.dtype
             off, pos = read_varint(memoryview(data), 0)
         except Exception as exc:  # noqa: BLE001 - any parse failure is a corrupt section
             raise SidecarError(f"xl-ans section's model offset does not parse: {exc}") from None
-        if len(data) - pos < xl_ans.least_bytes(shape[1], shape[2]):
-            # NOTE: before the model is resolved: a section under the floor costs nothing
-            raise SidecarError(f"xl-ans section of {shape[1]} layers holds {len(data) - pos} "
-                               f"bytes, below the reader's floor of "
-                               f"{xl_ans.least_bytes(shape[1], shape[2])}")
+        # NOTE: before the model is resolved: a section under the floor costs nothing
+        xl_ans.check_floor(len(data) - pos, shape[1], shape[2])
         model = models(off)
         if model.num_experts != num_experts:
             raise SidecarError(f"xl-ans model at offset {off} is for {model.num_experts} "

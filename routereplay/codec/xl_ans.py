@@ -70,10 +70,28 @@ def least_bytes(num_layers: int, top_k: int) -> int:
     return BYTES_PER_CALL * num_layers * (1 + top_k)
 
 
+def check_floor(nbytes: int, num_layers: int, top_k: int) -> None:
+    """Refuse a section whose words (``nbytes``, after the model offset) are under
+    :func:`least_bytes`.
+
+    Raises:
+        SidecarError: naming the floor."""
+    if nbytes < least_bytes(num_layers, top_k):
+        raise SidecarError(f"xl-ans section of {num_layers} layers holds {nbytes} bytes, below "
+                           f"the reader's floor of {least_bytes(num_layers, top_k)} "
+                           f"({BYTES_PER_CALL} per coder call)")
+
+
+def table_shapes(num_layers: int, num_experts: int, top_k: int) -> list[tuple[int, ...]]:
+    """Shapes of a model's tables, in payload order: flags [L, 3, 2], pop [L, E], pair
+    [L, E, E], joint [L, C, E] (C = :func:`joint_sets`, possibly 0)."""
+    nl, e = num_layers, num_experts
+    return [(nl, 3, 2), (nl, e), (nl, e, e), (nl, joint_sets(e, top_k), e)]
+
+
 def table_bytes(num_layers: int, num_experts: int, top_k: int) -> int:
     """Bytes of a model's u16 tables: 2 x L x (6 + E + E^2 + C x E)."""
-    e = num_experts
-    return 2 * num_layers * (6 + e + e * e + joint_sets(e, top_k) * e)
+    return 2 * sum(int(np.prod(s)) for s in table_shapes(num_layers, num_experts, top_k))
 
 
 def payload_limits(num_layers: int, num_experts: int, top_k: int) -> tuple[int, int]:
@@ -236,9 +254,8 @@ class XlModel:
         if not (1 <= k <= e and 2 <= e <= MAX_EXPERTS):
             raise SidecarError(f"xl-ans model for E={e}, K={k}: models need 1 <= K <= E, 2 <= E <= "
                                f"{MAX_EXPERTS}")
-        c = joint_sets(e, k)
-        shapes = [(lm, 3, 2), (lm, e), (lm, e, e), (lm, c, e)]
-        n = sum(int(np.prod(s)) for s in shapes)
+        shapes = table_shapes(lm, e, k)
+        n = table_bytes(lm, e, k) // 2
         body = bytes(buf[pos:])
         try:
             declared = zstandard.frame_content_size(body)
@@ -462,9 +479,7 @@ def decode(data: bytes, shape: tuple[int, int, int], dtype: np.dtype, model: XlM
     if l0 < 0 or l0 + g > model.num_layers or k != model.top_k:
         raise SidecarError(f"xl-ans section of layers [{l0}, {l0 + g}) x top-{k} does not fit "
                            f"its model of {model.num_layers} layers x top-{model.top_k}")
-    if len(data) < least_bytes(g, k):
-        raise SidecarError(f"xl-ans section of {g} layers holds {len(data)} bytes, below the "
-                           f"reader's floor of {least_bytes(g, k)} ({BYTES_PER_CALL} per coder call)")
+    check_floor(len(data), g, k)
     dec = ans.Decoder(data)
     tab = _tables(model)
     budget = WORK_PER_BYTE * len(data)

@@ -56,9 +56,7 @@ def _check_seed(seed: Any, codec: str, schema: RoutingSchema) -> None:
                                                                  s.num_experts, s.top_k):
         raise ConfigError(f"xl_ans_seed must be an XlModel of {s.num_moe_layers} MoE "
                           f"layers, {s.num_experts} experts, top-{s.top_k}")
-    shapes = [(s.num_moe_layers, 3, 2), (s.num_moe_layers, s.num_experts),
-              (s.num_moe_layers, s.num_experts, s.num_experts),
-              (s.num_moe_layers, xl_ans.joint_sets(s.num_experts, s.top_k), s.num_experts)]
+    shapes = xl_ans.table_shapes(s.num_moe_layers, s.num_experts, s.top_k)
     for a, shape in zip((seed.flags, seed.pop, seed.pair, seed.joint), shapes):
         a = np.asarray(a)
         if a.shape != shape or a.dtype.kind not in "iu" or (a.size and (
@@ -386,15 +384,9 @@ class SidecarWriter:
         self._bytes_written += len(b)
 
     def _write_now(self, record: RoutingRecord) -> None:
-        if self._learn is not None:
-            self._learn_from(record)
-        group = self.layer_group if self._model is not None else self._plain_group
-        payload = encode_record_payload(record, self.schema, self.codec, group,
-                                        self.column_order, version=self.format_version,
-                                        token_block=self.token_block,
-                                        one_section_bytes=self.one_section_bytes,
-                                        min_section_bytes=self.min_section_bytes,
-                                        codecs=self._codecs, model=self._model)
+        payload = self._learn_from(record) if self._learn is not None else None
+        if payload is None:
+            payload = self._payload(record, self._model)
         offset = self._pos
         self._emit(encode_frame(KIND_RECORD, payload))
         self._index.append((record.sample_id, offset))
@@ -438,9 +430,10 @@ class SidecarWriter:
         self._models_written, self._model_bytes = 1, len(payload) + 24
         self._next_model_rows = MODEL_REFRESH * self._learn.rows_counted()
 
-    def _learn_from(self, record: RoutingRecord) -> None:
+    def _learn_from(self, record: RoutingRecord) -> Any:
         """xl-ans: write a new model frame when due (learned from the records before
-        ``record``), then count ``record``'s routing.
+        ``record``), then count ``record``'s routing. Returns ``record``'s payload under
+        the new model where one was written (it was coded to decide), else None.
 
         NOTE: a model frame costs its bytes once and saves on every later record. The first
         is written once MODEL_FIRST_ROWS rows are counted and it takes at most
@@ -453,16 +446,17 @@ class SidecarWriter:
             ids = np.sort(ids, axis=-1)
         self._raw_bytes += ids.nbytes
         try:
-            self._maybe_model(record)
+            return self._maybe_model(record)
         finally:
             self._learn.count(ids)
 
-    def _maybe_model(self, record: RoutingRecord) -> None:
-        """Write a model frame of the records before ``record`` if one is due and pays."""
+    def _maybe_model(self, record: RoutingRecord) -> Any:
+        """Write a model frame of the records before ``record`` if one is due and pays;
+        then ``record``'s payload under it, else None."""
         assert self._learn is not None
         rows = self._learn.rows_counted()
         if rows < self._next_model_rows or self._models_written >= MAX_MODELS:
-            return
+            return None
         payload = self._learn.to_bytes()
         frame = len(payload) + 24
         share = MODEL_FIRST_SHARE if self._model is None else MODEL_SHARE
@@ -470,7 +464,7 @@ class SidecarWriter:
         least, _ = xl_ans.payload_limits(s.num_moe_layers, s.num_experts, s.top_k)
         if self._model_bytes + frame > share * self._raw_bytes or len(payload) < least:
             self._next_model_rows = 2 * rows
-            return
+            return None
         offset = self._pos
         model = (offset, xl_ans.XlModel.from_bytes(payload, s.num_moe_layers, s.num_experts,
                                                    s.top_k))
@@ -478,25 +472,30 @@ class SidecarWriter:
         # the model in use, or none; a record the model has not seen), times the records
         # written so far (as many again are expected), must pay for the frame. Routing
         # with no cross-layer structure to learn gets no model frames.
-        saved = self._coded(record, self._model) - self._coded(record, model)
+        # NOTE: the model frame goes at ``offset``, so the payload coded with it here is the
+        # record's payload once the frame is written
+        coded = self._payload(record, model)
+        saved = len(self._payload(record, self._model)) - len(coded)
         if saved * (len(self._index) + 1) < frame:
             self._next_model_rows = 2 * rows
-            return
+            return None
         self._emit(encode_frame(KIND_MODEL, payload))
         self._models_written += 1
         self._model = model
         self._model_bytes += frame
         self._next_model_rows = MODEL_REFRESH * rows
+        return coded
 
-    def _coded(self, record: RoutingRecord, model: Any) -> int:
-        """Bytes of ``record``'s payload coded under ``model`` (None: xl-zstd only)."""
+    def _payload(self, record: RoutingRecord, model: Any) -> Any:
+        """``record``'s frame payload in this writer's format, coded under ``model``
+        (xl-ans: (frame offset, XlModel); None: without one, in the default grid)."""
         group = self.layer_group if model is not None else self._plain_group
-        return len(encode_record_payload(record, self.schema, self.codec, group,
-                                         self.column_order, version=self.format_version,
-                                         token_block=self.token_block,
-                                         one_section_bytes=self.one_section_bytes,
-                                         min_section_bytes=self.min_section_bytes,
-                                         codecs=self._codecs, model=model))
+        return encode_record_payload(record, self.schema, self.codec, group,
+                                     self.column_order, version=self.format_version,
+                                     token_block=self.token_block,
+                                     one_section_bytes=self.one_section_bytes,
+                                     min_section_bytes=self.min_section_bytes,
+                                     codecs=self._codecs, model=model)
 
     def _do_fsync(self) -> None:
         try:
