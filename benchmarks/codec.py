@@ -189,6 +189,7 @@ def main():
     if a.file_grid:
         return print_file_grid()
     if a.xl_ans:
+        print_xl_ans_speed()
         return print_xl_ans(a.trained)
     rng = np.random.default_rng(0)
     summary = []
@@ -481,6 +482,43 @@ def print_speed_1k(tokens=1024, layers=32):
             cells += [f"{x.size / te / 1e6:.0f}", f"{x.size / td / 1e6:.0f}"]
         modes = np.bincount([bl[0] for bl in blobs], minlength=3).tolist()
         print(f"| {label} | {len(shapes)} ({b}x{g}) | " + " | ".join(cells) + f" | {modes} |")
+
+
+def print_xl_ans_speed(tokens=1024):
+    """xl-ans's two coders side by side on one record of the cross-layer source, in the
+    writer's geometry for records coded with a model (one section up to 64 KiB of ids, else
+    512 tokens x 8 MoE layers), with a model learned from 4 earlier records: encode and
+    decode MB/s of uint8-equivalent ids, one thread, best run; constriction
+    (ROUTEREPLAY_XL_ANS_JIT=0) and the numba kernels, which write the same bytes."""
+    from routereplay.codec import xl_ans
+    print(f"\nxl-ans coders on one {tokens}-token record (MB/s of uint8-equivalent ids, one "
+          "thread, best run; issue 3's targets: 50 / 200)")
+    print("| source | sections | constriction enc | constriction dec | numba enc | numba dec | same bytes |")
+    print("|---|---|---|---|---|---|---|")
+    for e, k, nl in ((8, 2, 32), (16, 4, 16), (64, 6, 16)):
+        src = CrossLayerRouting.make(np.random.default_rng(7), nl, e, k)
+        rng = np.random.default_rng(1)
+        m = xl_ans.XlModel.empty(nl, e, k)
+        for _ in range(4):
+            m.count(src.sample(rng, tokens)[0])
+        model = xl_ans.XlModel.from_bytes(m.stored().to_bytes(), nl, e, k)
+        x = src.sample(rng, tokens)[0]
+        b, g = (tokens, nl) if x.nbytes <= 65536 else (512, 8)
+        parts = [(np.ascontiguousarray(x[r0:r0 + b, l0:l0 + g]), l0)
+                 for l0 in range(0, nl, g) for r0 in range(0, tokens, b)]
+        cells, outs = [], []
+        for flag in ("0", "1"):
+            os.environ[xl_ans.JIT_ENV] = flag
+            xl_ans.encode(parts[0][0], model, parts[0][1])             # numba: compile
+            te, blobs = _best(lambda: [xl_ans.encode(p, model, l0) for p, l0 in parts])
+            td, got = _best(lambda: [xl_ans.decode(bl, p.shape, np.uint8, model, l0)
+                                     for bl, (p, l0) in zip(blobs, parts)])
+            assert all(np.array_equal(a, p) for a, (p, _) in zip(got, parts))
+            cells += [f"{x.size / te / 1e6:.1f}", f"{x.size / td / 1e6:.1f}"]
+            outs.append(blobs)
+        os.environ.pop(xl_ans.JIT_ENV)
+        print(f"| cross-layer E={e} k={k} L={nl} | {len(parts)} ({b}x{g}) | " + " | ".join(cells)
+              + f" | {outs[0] == outs[1]} |", flush=True)
 
 
 def print_file_grid(lengths=(64, 256, 1024, 4096), layers=8, codecs=("xl-zstd", "ctx-zstd")):

@@ -77,6 +77,16 @@ def marker_model():
     return _MARKER_MODEL
 
 
+def check_words(data: bytes) -> None:
+    """Raise SidecarError unless ``data`` is a whole, non-empty number of u32 LE words whose
+    last word is nonzero (FORMAT.md "ANS decoder")."""
+    if len(data) % 4 or not data:
+        raise SidecarError(f"ANS section of {len(data)} bytes is not a whole, non-empty "
+                           "number of u32 words")
+    if data[-4:] == bytes(4):
+        raise SidecarError("ANS section ends in a zero word")
+
+
 class Decoder:
     """Pops symbol blocks off one section's ANS stack, in the order they were listed.
 
@@ -86,12 +96,8 @@ class Decoder:
     """
 
     def __init__(self, data: bytes):
-        if len(data) % 4 or not data:
-            raise SidecarError(f"ANS section of {len(data)} bytes is not a whole, non-empty "
-                               "number of u32 words")
+        check_words(data)
         words = np.frombuffer(data, dtype="<u4").astype(np.uint32)
-        if words[-1] == 0:
-            raise SidecarError("ANS section ends in a zero word")
         self._coder = constriction.stream.stack.AnsCoder(words)
 
     def decode(self, count: int, weights: np.ndarray, where: str) -> np.ndarray:

@@ -419,7 +419,7 @@ class SidecarWriter:
             # much as SEED_ROWS rows of this stream, which then take over
             arrays = [a * SEED_ROWS // rows for a in arrays]
         self._learn = xl_ans.XlModel(seed.num_experts, seed.top_k, *arrays)
-        payload = self._learn.to_bytes()
+        payload = self._learn.stored().to_bytes()
         least, _ = xl_ans.payload_limits(s.num_moe_layers, s.num_experts, s.top_k)
         if len(payload) < least:
             return                        # nothing worth a frame (near-empty counts)
@@ -457,7 +457,7 @@ class SidecarWriter:
         rows = self._learn.rows_counted()
         if rows < self._next_model_rows or self._models_written >= MAX_MODELS:
             return None
-        payload = self._learn.to_bytes()
+        payload = self._learn.stored().to_bytes()
         frame = len(payload) + 24
         share = MODEL_FIRST_SHARE if self._model is None else MODEL_SHARE
         s = self.schema

@@ -1,0 +1,368 @@
+"""``xl-ans`` compiled: the section coder of routereplay.codec.xl_ans as numba kernels.
+
+Same model, same words: the kernels follow docs/FORMAT.md "xl-ans" and "ANS decoder"
+step by step (constriction's ``AnsCoder``: 32-bit words, 64-bit state, precision 24), so a
+section encoded by either path decodes with the other, byte for byte
+(tests/test_xl_ans.py checks both directions, and that both refuse the same corrupt
+sections). What differs is the cost: the constriction path calls the coder once per layer
+and column with per-symbol models (E float64 parameters a symbol, built with numpy), about
+10 MB/s at E=8 top-2; these kernels walk the section once, symbol by symbol, with the
+frequency tables routereplay.codec.xl_ans computes once per model (45-55 MB/s there).
+
+This module imports numba; routereplay.codec.xl_ans imports it on first use
+(:func:`routereplay.codec.xl_ans.compiled`), where numba is installed (vLLM depends on it;
+``pip install 'routereplay[jit]'`` elsewhere) and ``ROUTEREPLAY_XL_ANS_JIT`` is not ``0``.
+The kernels compile on first call (about 4 s; numba caches them on disk where it can
+write) and release the GIL (reader threads decode in parallel).
+
+Shape legend: T rows, G layers of the section, K = top_k, E = num_experts, L = the model's
+MoE layers, C = expert sets of the joint table (possibly 0).
+"""
+from __future__ import annotations
+
+import numba
+import numpy as np
+
+PRECISION = 24
+_MASK = (1 << PRECISION) - 1
+_TOTAL = 1 << PRECISION
+END_MARKER = 0xA5
+CHUNK_ROWS = 4096           # rows whose frequencies exist at once (as xl_ans.CHUNK_ROWS)
+
+# error codes of the decode kernel (routereplay.codec.xl_ans turns them into SidecarError)
+OK, ENDS_EARLY, OVER_BUDGET, REPEATED_ID, FRESH_REPEATS, BAD_END = range(6)
+
+_njit = numba.njit(cache=True, nogil=True)
+
+
+@_njit
+def _freqs(u, n, f):
+    """Integer weights u int64 [>= n] (each >= 1) -> frequencies f int64 [n] summing to
+    2^24 (routereplay.codec.ans.frequencies, FORMAT.md "ANS decoder")."""
+    tot_u = 0
+    top = 0
+    for i in range(n):
+        tot_u += u[i]
+        if u[i] > u[top]:
+            top = i
+    free = _TOTAL - n
+    tot = 0
+    for i in range(n):
+        fi = u[i] * free // tot_u + 1
+        f[i] = fi
+        tot += fi
+    f[top] += _TOTAL - tot
+
+
+@_njit
+def _column_freqs(ids, fresh, i0, i1, lp, lyr, j, k, e, pop, pop0, pop1, succ, joint, joint0,
+                  joint1, binom, u, sk, out):
+    """Frequencies out int64 [i1 - i0, E] of column j of the fresh rows ``fresh[i0:i1]`` of
+    section layer ``lp`` (MoE layer ``lyr``) of ids [T, G, K] (their columns < j known, and
+    at lp >= 1 their ids one layer up): a precomputed table where there is one (its
+    parameters = frequency - 1), else from the weights of FORMAT.md "xl-ans" step 2.
+    u int64 [E] and sk int64 [K]: scratch.
+
+    NOTE: one call per block of rows, shared by both kernels: a call per symbol passing
+    these arrays cost more than the symbol's own work (reference counting)."""
+    for i in range(i0, i1):
+        row = fresh[i]
+        o = i - i0
+        if lp == 0:
+            if j == 0:
+                for x in range(e):
+                    out[o, x] = pop0[lyr, x] + 1
+                continue
+            if j == 1 and pop1.shape[0]:
+                x0 = ids[row, lp, 0]
+                for x in range(e):
+                    out[o, x] = pop1[lyr, x0, x] + 1
+                continue
+            for x in range(e):
+                u[x] = pop[lyr, x] + 1
+        elif joint.shape[0]:
+            # the set index c(u) of the row one layer up: sum_i binom(s_i, i + 1), s = u
+            # sorted (insertion sort: K is small)
+            for m in range(k):
+                v = np.int64(ids[row, lp - 1, m])
+                p = m - 1
+                while p >= 0 and sk[p] > v:
+                    sk[p + 1] = sk[p]
+                    p -= 1
+                sk[p + 1] = v
+            c = 0
+            for m in range(k):
+                c += binom[sk[m], m + 1]
+            if j == 0:
+                for x in range(e):
+                    out[o, x] = joint0[lyr, c, x] + 1
+                continue
+            if j == 1 and joint1.shape[0]:
+                x0 = ids[row, lp, 0]
+                for x in range(e):
+                    out[o, x] = joint1[lyr, c, x0, x] + 1
+                continue
+            for x in range(e):
+                u[x] = joint[lyr, c, x] + 1
+        else:
+            for x in range(e):
+                u[x] = 1
+            for m in range(k):
+                um = ids[row, lp - 1, m]
+                for x in range(e):
+                    u[x] += succ[lyr, um, x]
+        for m in range(j):
+            u[ids[row, lp, m]] = 1
+        _freqs(u, e, out[o])
+
+
+@_njit
+def decode_section(words, t, g, k, e, l0, flags, pop, pop0, pop1, succ, joint, joint0,
+                   joint1, binom, budget, out):
+    """Decode ``words`` uint32 [W] (W >= 1, last word nonzero) into out uint8 [T, G, K].
+
+    Tables as routereplay.codec.xl_ans._Tables holds them (parameters = frequency - 1):
+    flags int32 [L, 3, 2], pop int64 [L, E], pop0 int32 [L, E], pop1 int32 [L, E, E] or
+    [0, 0, 0], succ int32 [L, E, E], joint int64 [L, C, E] or [0, 0, 0], joint0 int32
+    [L, C, E] or empty, joint1 int32 [L, C, E, E] or [0, 0, 0, 0]; binom int64 [E + 1, K + 1].
+    ``budget``: the coder work allowed (FORMAT.md: 128 per byte of words).
+
+    Returns (error code, the MoE layer it was met at): (OK, -1) or one of ENDS_EARLY,
+    OVER_BUDGET, REPEATED_ID, FRESH_REPEATS, BAD_END (the layer is -1 for BAD_END).
+    """
+    r = words.shape[0]
+    state = np.uint64(words[r - 1])
+    r -= 1
+    if r > 0:
+        state = (state << np.uint64(32)) | np.uint64(words[r - 1])
+        r -= 1
+    lo = np.uint64(1) << np.uint64(32)
+    mask = np.uint64(_MASK)
+    sh = np.uint64(PRECISION)
+    fb = np.empty((min(max(t, 1), CHUNK_ROWS), e), dtype=np.int64)
+    u = np.empty(e, dtype=np.int64)
+    sk = np.empty(k, dtype=np.int64)
+    rep = np.zeros(t, dtype=np.bool_)
+    rep_up = np.zeros(t, dtype=np.bool_)
+    fresh = np.empty(t, dtype=np.int64)
+    spent = 0
+    for lp in range(g):
+        lyr = l0 + lp
+        rep[:] = False
+        for row in range(1, t):
+            x = 2 if lp == 0 else (1 if rep_up[row] else 0)
+            f0 = np.uint64(flags[lyr, x, 0] + 1)
+            if state == 0 and r == 0:
+                return ENDS_EARLY, lyr
+            q = state & mask
+            if q < f0:
+                state = (state >> sh) * f0 + q
+            else:
+                state = (state >> sh) * np.uint64(flags[lyr, x, 1] + 1) + (q - f0)
+                rep[row] = True
+            if state < lo and r > 0:
+                state = (state << np.uint64(32)) | np.uint64(words[r - 1])
+                r -= 1
+        n = 0
+        for row in range(t):
+            if not rep[row]:
+                fresh[n] = row
+                n += 1
+        spent += 2 * max(t - 1, 0) + n * k * e
+        if spent > budget:
+            return OVER_BUDGET, lyr
+        for j in range(k):
+            for i0 in range(0, n, CHUNK_ROWS):
+                i1 = min(i0 + CHUNK_ROWS, n)
+                _column_freqs(out, fresh, i0, i1, lp, lyr, j, k, e, pop, pop0, pop1, succ,
+                              joint, joint0, joint1, binom, u, sk, fb)
+                for i in range(i0, i1):
+                    row = fresh[i]
+                    if state == 0 and r == 0:
+                        return ENDS_EARLY, lyr
+                    q = state & mask
+                    # s: the symbol whose interval holds q (a search without early exit:
+                    # conditional moves, no mispredicted branches; 20 % faster at E=8)
+                    qi = np.int64(q)
+                    acc = 0
+                    s = 0
+                    cs = 0
+                    for x in range(e - 1):
+                        acc += fb[i - i0, x]
+                        if qi >= acc:
+                            s = x + 1
+                            cs = acc
+                    state = (state >> sh) * np.uint64(fb[i - i0, s]) + np.uint64(qi - cs)
+                    if state < lo and r > 0:
+                        state = (state << np.uint64(32)) | np.uint64(words[r - 1])
+                        r -= 1
+                    for jj in range(j):
+                        if out[row, lp, jj] == s:
+                            return REPEATED_ID, lyr
+                    out[row, lp, j] = s
+        for row in range(1, t):
+            if rep[row]:
+                for jj in range(k):
+                    out[row, lp, jj] = out[row - 1, lp, jj]
+            else:
+                same = True
+                for jj in range(k):
+                    if out[row, lp, jj] != out[row - 1, lp, jj]:
+                        same = False
+                if same:
+                    return FRESH_REPEATS, lyr
+        rep_up[:] = rep
+    # the end marker: 256 equal weights (frequency 2^16 each), then nothing left
+    if state == 0 and r == 0:
+        return BAD_END, -1
+    q = state & mask
+    marker = q >> np.uint64(16)
+    state = (state >> sh) * np.uint64(1 << 16) + (q - (marker << np.uint64(16)))
+    if state < lo and r > 0:
+        state = (state << np.uint64(32)) | np.uint64(words[r - 1])
+        r -= 1
+    if marker != END_MARKER or state != 0 or r != 0:
+        return BAD_END, -1
+    return OK, -1
+
+
+@_njit
+def check_ids(ids, e):
+    """ids int [T, G, K] -> 0, or 1 where an id is outside [0, E), or 2 where a row repeats
+    an expert (what routereplay.codec.xl_ans.encode refuses)."""
+    t, g, k = ids.shape
+    for row in range(t):
+        for lp in range(g):
+            for j in range(k):
+                v = ids[row, lp, j]
+                if v < 0 or v >= e:
+                    return 1
+                for jj in range(j):
+                    if ids[row, lp, jj] == v:
+                        return 2
+    return 0
+
+
+@_njit
+def count_record(ids, flags, pop, pair, joint, binom):
+    """Add a record's routing, ids [T, L, K] (checked by :func:`check_ids`), to int64
+    counts flags [L, 3, 2], pop [L, E], pair [L, E, E], joint [L, C, E] (C possibly 0),
+    as routereplay.codec.xl_ans.XlModel.count does (FORMAT.md: our writer's counts)."""
+    t, nl, k = ids.shape
+    sk = np.empty(k, dtype=np.int64)
+    for lyr in range(nl):
+        for row in range(t):
+            if row:
+                f = 1
+                for m in range(k):
+                    if ids[row, lyr, m] != ids[row - 1, lyr, m]:
+                        f = 0
+                flags[lyr, 2, f] += 1
+                if lyr:
+                    fu = 1
+                    for m in range(k):
+                        if ids[row, lyr - 1, m] != ids[row - 1, lyr - 1, m]:
+                            fu = 0
+                    flags[lyr, fu, f] += 1
+                if f:
+                    continue
+            for m in range(k):
+                pop[lyr, ids[row, lyr, m]] += 1
+            if lyr == 0:
+                continue
+            for mu in range(k):
+                uu = ids[row, lyr - 1, mu]
+                for m in range(k):
+                    pair[lyr, uu, ids[row, lyr, m]] += 1
+            if joint.shape[1]:
+                for m in range(k):
+                    v = np.int64(ids[row, lyr - 1, m])
+                    p = m - 1
+                    while p >= 0 and sk[p] > v:
+                        sk[p + 1] = sk[p]
+                        p -= 1
+                    sk[p + 1] = v
+                c = 0
+                for m in range(k):
+                    c += binom[sk[m], m + 1]
+                for m in range(k):
+                    joint[lyr, c, ids[row, lyr, m]] += 1
+
+
+@_njit
+def encode_section(ids, l0, flags, pop, pop0, pop1, succ, joint, joint0, joint1, binom):
+    """ids uint8 [T, G, K] (checked by the caller: ids < E, distinct in a row) -> the
+    section's words uint32 [W], exactly what the constriction path writes."""
+    t, g, k = ids.shape
+    e = pop.shape[1]
+    rep = np.zeros((t, g), dtype=np.bool_)
+    nsym = 0
+    for lp in range(g):
+        for row in range(1, t):
+            same = True
+            for jj in range(k):
+                if ids[row, lp, jj] != ids[row - 1, lp, jj]:
+                    same = False
+            rep[row, lp] = same
+        nsym += max(t - 1, 0)
+        for row in range(t):
+            if not rep[row, lp]:
+                nsym += k
+    fs = np.empty(nsym, dtype=np.uint64)          # each symbol's frequency and start, in
+    cs = np.empty(nsym, dtype=np.uint64)          # decode order
+    fb = np.empty((min(max(t, 1), CHUNK_ROWS), e), dtype=np.int64)
+    u = np.empty(e, dtype=np.int64)
+    sk = np.empty(k, dtype=np.int64)
+    fresh = np.empty(t, dtype=np.int64)
+    i = 0
+    for lp in range(g):
+        lyr = l0 + lp
+        for row in range(1, t):
+            x = 2 if lp == 0 else (1 if rep[row, lp - 1] else 0)
+            f0 = flags[lyr, x, 0] + 1
+            if rep[row, lp]:
+                fs[i], cs[i] = flags[lyr, x, 1] + 1, f0
+            else:
+                fs[i], cs[i] = f0, 0
+            i += 1
+        n = 0
+        for row in range(t):
+            if not rep[row, lp]:
+                fresh[n] = row
+                n += 1
+        for j in range(k):
+            for i0 in range(0, n, CHUNK_ROWS):
+                i1 = min(i0 + CHUNK_ROWS, n)
+                _column_freqs(ids, fresh, i0, i1, lp, lyr, j, k, e, pop, pop0, pop1, succ,
+                              joint, joint0, joint1, binom, u, sk, fb)
+                for ii in range(i0, i1):
+                    s = ids[fresh[ii], lp, j]
+                    c = 0
+                    for y in range(s):
+                        c += fb[ii - i0, y]
+                    fs[i], cs[i] = fb[ii - i0, s], c
+                    i += 1
+    out = np.empty(nsym + 3, dtype=np.uint32)     # at most one word a symbol, and the state
+    w = 0
+    state = np.uint64(0)
+    sh = np.uint64(PRECISION)
+    lo32 = np.uint64(0xFFFFFFFF)
+    # NOTE: the end marker first (decoded last), then the symbols from the last to the first
+    for i in range(nsym, -1, -1):
+        if i == nsym:
+            fi, ci = np.uint64(1 << 16), np.uint64(END_MARKER << 16)
+        else:
+            fi, ci = fs[i], cs[i]
+        if state >= (fi << np.uint64(64 - PRECISION)):
+            out[w] = np.uint32(state & lo32)
+            w += 1
+            state = state >> np.uint64(32)
+        state = ((state // fi) << sh) + (state % fi) + ci
+    if state > lo32:
+        out[w] = np.uint32(state & lo32)
+        out[w + 1] = np.uint32(state >> np.uint64(32))
+        w += 2
+    elif state:
+        out[w] = np.uint32(state)
+        w += 1
+    return out[:w]
