@@ -453,35 +453,40 @@ def print_records_by_length(trained: str | None = None, rows_per_point: int = 65
                   f"| {m_v2 / len(recs):.0f} | {m_xl / len(recs):.0f} | {f_xl - s_xl - m_xl} |",
                   flush=True)
             out.append((label, t, b(z_tm), b(f_v2), b(f_cz), b(f_xl)))
-    print_speed_1k()
+    print_speed()
     return out
 
 
-def print_speed_1k(tokens=1024, layers=32):
+def print_speed(lengths=(1024, 4096), layers=32):
     """Encode/decode MB/s (uint8-equivalent, one thread, best run) of ctx-zstd and xl-zstd on
-    one 1K-token record in the version-3 writer's geometry (one section up to 64 KiB of ids,
-    else 512 tokens x 1 MoE layer; issue 3's targets: 50 and 200)."""
-    print(f"\nspeed on one {tokens}-token record x {layers} MoE layers, format-3 geometry "
+    one record of each length in the version-3 writer's geometry (one section up to 64 KiB
+    of ids, else 512-token x 1-layer sections, the block grown where sections code small);
+    encode is the writer's whole choice of geometry and sections
+    (routereplay.sidecar.payload.grid_sections, its trial block included). Issue 3's
+    targets, at 1K tokens: 50 and 200."""
+    from routereplay.sidecar.payload import grid_sections
+    print(f"\nspeed on one record x {layers} MoE layers, format-3 geometry "
           "(MB/s of uint8-equivalent input, one thread, best run)")
-    print("| source | sections | ctx-zstd enc | ctx-zstd dec | xl-zstd enc | xl-zstd dec | xl-zstd modes (L/T/Z) |")
-    print("|---|---|---|---|---|---|---|")
-    srcs = [(f"cross-layer E={e} k={k}", e, CrossLayerRouting.make(np.random.default_rng(7), layers, e, k)
-             .sample(np.random.default_rng(1), tokens)[0]) for e, k in ((8, 2), (64, 6), (128, 8))]
-    srcs += [(f"independent E={e} k={k} r=0.5", e, routing_trace(np.random.default_rng(1), tokens, layers,
-                                                                  e, k, 0.5, 1.0)[0])
-             for e, k in ((8, 2), (128, 8))]
-    for label, e, x in srcs:
-        b, g = geometry(x, e)
-        shapes = [(min(b, x.shape[0] - r0), min(g, x.shape[1] - l0), x.shape[2])
-                  for l0 in range(0, x.shape[1], g) for r0 in range(0, max(x.shape[0], 1), b)]
-        cells = []
-        for name in ("ctx-zstd", "xl-zstd"):
-            te, blobs = _best(lambda: codec.encode_grid(x, name, e, b, g))
-            td, _ = _best(lambda: [codec.decode(bl, name, sh, x.dtype, e)
-                                   for bl, sh in zip(blobs, shapes)])
-            cells += [f"{x.size / te / 1e6:.0f}", f"{x.size / td / 1e6:.0f}"]
-        modes = np.bincount([bl[0] for bl in blobs], minlength=3).tolist()
-        print(f"| {label} | {len(shapes)} ({b}x{g}) | " + " | ".join(cells) + f" | {modes} |")
+    print("| source | tokens | sections | ctx-zstd enc | ctx-zstd dec | xl-zstd enc | xl-zstd dec | xl-zstd modes (L/T/Z) |")
+    print("|---|---|---|---|---|---|---|---|")
+    for tokens in lengths:
+        srcs = [(f"cross-layer E={e} k={k}", e, CrossLayerRouting.make(np.random.default_rng(7), layers, e, k)
+                 .sample(np.random.default_rng(1), tokens)[0]) for e, k in ((8, 2), (64, 6), (128, 8))]
+        srcs += [(f"independent E={e} k={k} r=0.5", e, routing_trace(np.random.default_rng(1), tokens, layers,
+                                                                      e, k, 0.5, 1.0)[0])
+                 for e, k in ((8, 2), (128, 8))]
+        for label, e, x in srcs:
+            cells = []
+            for name in ("ctx-zstd", "xl-zstd"):
+                te, (_, b, g, blobs) = _best(lambda: grid_sections(x, name, e))
+                shapes = [(min(b, x.shape[0] - r0), min(g, x.shape[1] - l0), x.shape[2])
+                          for l0 in range(0, x.shape[1], g) for r0 in range(0, max(x.shape[0], 1), b)]
+                td, _ = _best(lambda: [codec.decode(bl, name, sh, x.dtype, e)
+                                       for bl, sh in zip(blobs, shapes)])
+                cells += [f"{x.size / te / 1e6:.0f}", f"{x.size / td / 1e6:.0f}"]
+            modes = np.bincount([bl[0] for bl in blobs], minlength=3).tolist()
+            print(f"| {label} | {tokens} | {len(shapes)} ({b}x{g}) | " + " | ".join(cells)
+                  + f" | {modes} |", flush=True)
 
 
 def print_xl_ans_speed(tokens=1024):

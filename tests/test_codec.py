@@ -465,6 +465,35 @@ def test_cross_layer_source_probabilities_are_exact_and_layers_depend():
     assert flat == pytest.approx(math.log2(8 * 7), rel=0.01)
 
 
+def test_grid_sections_trial_pass_keeps_every_section_of_xl_zstd_encode():
+    """The writer's geometry (payload.grid_sections) tries the default token block on the
+    record's first token blocks, with xl-zstd's zstd-19 pass skipped (coding every section
+    first with that pass took 3/4 of the encode of 2K-4K-token records, for sections then
+    re-coded: 9 MB/s at E=8 top-2, 32 layers; now about 80); the sections it keeps are
+    still exactly xl_zstd.encode's (pass included) at the geometry chosen: a block kept
+    (near-uniform E=256 top-4: sections of 2 KiB plain, where the pass runs and mode 2 can
+    win), a block grown (cross-layer E=8 top-2), one section."""
+    from routereplay.codec import xl_zstd
+    from routereplay.sidecar.payload import grid_sections
+    from routereplay.testing import CrossLayerRouting
+    uniform, _ = routing_trace(np.random.default_rng(3), 3000, 6, 256, 4, 0.0, 0.0)
+    cross = CrossLayerRouting.make(np.random.default_rng(7), 32, 8, 2).sample(
+        np.random.default_rng(1), 2048)[0]
+    small = cross[:300]
+    modes = set()
+    for ids, e, grown in ((uniform.astype(np.uint8), 256, False), (cross, 8, True),
+                          (small, 8, None)):
+        grid, b, g, blobs = grid_sections(ids, "xl-zstd", e)
+        assert grid == (grown is not None)
+        if grid:
+            assert (b > 512) == grown, b
+        want = [xl_zstd.encode(np.ascontiguousarray(ids[r:r + b, lo:lo + g]), e)
+                for lo in range(0, ids.shape[1], g) for r in range(0, ids.shape[0], b)]
+        assert blobs == want
+        modes |= {bl[0] for bl in blobs}
+    assert xl_zstd.MODE_PLAIN in modes          # the zstd-19 pass kept where it wins
+
+
 @pytest.mark.parametrize("name", ["ctx-zstd", "xl-zstd", "ctx-ans"])
 def test_encode_grid_equals_sections_encoded_one_by_one(name):
     """The version-3 writer codes a record's grid in one pass (codec.encode_grid); each

@@ -26,7 +26,7 @@ import stat
 import sys
 from typing import Any, Iterable
 
-from routereplay.errors import ConfigError, RouteReplayError, SidecarError
+from routereplay.errors import ConfigError, RecordError, RouteReplayError, SidecarError
 
 # NOTE: the extra that provides each optional import, for the one-line message a missing
 # dependency gets (pyproject.toml [project.optional-dependencies]).
@@ -344,6 +344,35 @@ def _sidecar_records(readers: list, skip: bool) -> Any:
                                f"{n} records that read were converted")
 
 
+def _seed_from(a: argparse.Namespace, schema) -> dict:
+    """``--seed-from``: the writer's ``xl_ans_seed``, counted from every record of the seed
+    streams (SidecarReader.xl_ans_counts: all of their routing, not only what their last
+    model frame learned, which in a short stream is its first record or two).
+
+    Raises:
+        ConfigError: naming --seed-from: another codec than xl-ans, seed streams of another
+            MoE layer count, E or top_k than the input, no record in them, or one that does
+            not read."""
+    if a.codec != "xl-ans":
+        raise ConfigError("--seed-from is for --codec xl-ans")
+    from routereplay.sidecar.writer import _check_seed
+    try:
+        with _open([a.seed_from]) as sr:
+            s, t = sr.schema, schema
+            if (s.num_moe_layers, s.num_experts, s.top_k) != (t.num_moe_layers, t.num_experts,
+                                                              t.top_k):
+                raise ConfigError(f"its streams have {s.num_moe_layers} MoE layers, "
+                                  f"{s.num_experts} experts, top-{s.top_k}; the input has "
+                                  f"{t.num_moe_layers}, {t.num_experts}, top-{t.top_k}")
+            if not sr.sample_ids():
+                raise ConfigError("no record to learn a model from")
+            model = sr.xl_ans_counts()
+        _check_seed(model, "xl-ans", schema)
+    except (ConfigError, SidecarError, RecordError) as e:
+        raise ConfigError(f"--seed-from {a.seed_from}: {e}") from None
+    return {"xl_ans_seed": model}
+
+
 def _convert(a: argparse.Namespace, schema) -> int:
     """convert's reading and writing, once the arguments are checked (``schema`` None:
     ``--from sidecar``, the input stream's)."""
@@ -385,18 +414,7 @@ def _convert(a: argparse.Namespace, schema) -> int:
         try:
             writer_codec(a.codec, a.column_order, a.format_version, schema)
             if a.seed_from:
-                if a.codec != "xl-ans":
-                    raise ConfigError("--seed-from is for --codec xl-ans")
-                try:
-                    with _open([a.seed_from]) as sr:
-                        model = sr.xl_ans_model()
-                    if model is None:
-                        raise ConfigError("no xl-ans model frame")
-                    from routereplay.sidecar.writer import _check_seed
-                    _check_seed(model, "xl-ans", schema)
-                except (ConfigError, SidecarError) as e:
-                    raise ConfigError(f"--seed-from {a.seed_from}: {e}") from None
-                seed = {"xl_ans_seed": model}
+                seed = _seed_from(a, schema)
         except (ConfigError, SidecarError) as e:
             reader.close()
             raise UsageError(str(e) if str(e).startswith("--seed-from") else f"--codec: {e}") \
@@ -424,6 +442,11 @@ def _convert(a: argparse.Namespace, schema) -> int:
     else:
         records = iter_records(a.kind, a.input, schema,
                                num_fused_shared_experts=a.num_fused_shared_experts)
+    if a.seed_from and a.kind != "sidecar":
+        try:
+            seed = _seed_from(a, schema)
+        except (ConfigError, SidecarError) as e:
+            raise UsageError(str(e)) from None
     try:
         with SidecarWriter(dest, schema, codec=a.codec, column_order=a.column_order,
                            layer_group=a.layer_group, token_block=a.token_block,
@@ -635,19 +658,20 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--codec", default=None, choices=CODECS,
                    help="routing codec (default xl-zstd, ctx-zstd with --format-version 2; "
                         "ctx-ans-sorted with --column-order sorted; xl-ans: smallest on routing "
-                        "whose layers depend on each other, E <= 64, 2-10 MB/s; ctx-ans: small, "
-                        "slower)")
+                        "whose layers depend on each other, E <= 64, 7-15 MB/s with numba; "
+                        "ctx-ans: small, slower)")
     c.add_argument("--column-order", default="engine", choices=["engine", "sorted"])
     c.add_argument("--layer-group", type=_positive_int, default=None,
-                   help="MoE layers per routing section (default 1; xl-ans: 8 for records "
-                        "coded with a model; format 2: 4)")
+                   help="MoE layers per routing section of records over 64 KiB of ids "
+                        "(default 1; xl-ans: 8 for records coded with a model; format 2: 4)")
     c.add_argument("--token-block", type=_positive_int, default=512,
                    help="tokens per routing section of records over 64 KiB of ids (default 512)")
     c.add_argument("--format-version", type=int, choices=[2, 3], default=3,
                    help="3 (default), or 2 for routereplay readers older than format 3")
     c.add_argument("--seed-from", metavar="SIDECAR",
-                   help="sidecar: start the xl-ans model from the last model frame of these "
-                        "streams (file, folder or glob), e.g. the previous weight version's")
+                   help="--codec xl-ans: start the model from the routing of every record of "
+                        "these streams (file, folder or glob; any codec), e.g. the previous "
+                        "step's or weight version's")
     c.add_argument("--skip-corrupt", action="store_true",
                    help="sidecar: convert past frames and records that do not read, each "
                         "named on stderr (exit status 1 still)")

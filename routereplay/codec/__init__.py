@@ -11,12 +11,12 @@ named by a short string stored in each routing section's metadata (docs/FORMAT.m
   smaller whole files than ``ctx-zstd`` on a trained model's routing, within 0.3 % (a mode
   byte per section) on synthetic routing; one-layer grid sections code as ``ctx-zstd``.
 - ``xl-ans`` (opt-in): a cross-layer context model learned from a stream's earlier records
-  and stored once in the stream (a model frame), driving constriction's rANS coder
+  and stored once in the stream (a model frame), driving an rANS coder
   (routereplay.codec.xl_ans). On the cross-layer source at 1K-token records: whole streams
   at 1.039x the entropy rate (64 records; 1.023x at 256), 13-15 % below ``xl-zstd``; 2 <= E
-  <= 64. Coded by numba kernels where numba imports (routereplay.codec.xl_ans_jit: 35-45
-  MB/s encode, about 55 decode at E=8 top-2; less for larger E), else by constriction (the
-  same bytes, about 10 MB/s). Sections name their model frame by offset
+  <= 64. Coded by numba kernels where numba imports (routereplay.codec.xl_ans_jit: about
+  45 MB/s encode, 65 decode a section at E=8 top-2; 11-12 at E=64 top-6), else by
+  constriction (the same bytes, about 10 MB/s; 2-3 at E=64). Sections name their model frame by offset
   (:data:`ModelResolver`).
 - ``ctx-zstd``: per-layer repeat bitmap and id bytes, then zstd with a Huffman table per
   layer (routereplay.codec.ctx_zstd); the default before format 3, and the default of a

@@ -22,8 +22,8 @@ record's sections, which name it by its frame offset. Per section, layer by laye
 
 Models are static within a record (no adaptation). Two coders write the same words:
 numba kernels (routereplay.codec.xl_ans_jit, where numba imports: :func:`compiled`), one
-pass over the section, 45-55 MB/s at E=8 top-2; else constriction, vectorized over a
-section's rows, 1 + K calls per layer, about 10 MB/s. ``xl-ans`` needs a model frame; the
+pass over the section, about 45 / 65 MB/s (encode / decode) at E=8 top-2; else
+constriction, vectorized over a section's rows, 1 + K calls per layer, about 10 MB/s. ``xl-ans`` needs a model frame; the
 writer codes a stream's first records with ``xl-zstd`` while it learns, and keeps each
 section's smaller of ``xl-ans`` and ``xl-zstd`` (so the ``xl-zstd`` bound holds).
 
@@ -46,7 +46,7 @@ import numpy as np
 import zstandard
 
 from routereplay.codec import ans
-from routereplay.errors import RecordError, SidecarError
+from routereplay.errors import ConfigError, RecordError, SidecarError
 
 MAX_EXPERTS = 64            # E above this: use xl-zstd (the model's E x E tables grow as E^2)
 JOINT_LIMIT = 1 << 13       # joint (expert-set) tables when C(E, K) x E <= this
@@ -62,28 +62,44 @@ MODEL_EXPANSION = 16        # a model payload's tables are at most this many tim
 
 JIT_ENV = "ROUTEREPLAY_XL_ANS_JIT"
 _JIT: list = []             # [module or None] once numba's import was tried
+_JIT_OFF, _JIT_ON = ("0", "false", "off", "no"), ("1", "true", "on", "yes")
 
 
 def compiled() -> Any:
-    """routereplay.codec.xl_ans_jit (numba kernels, imported on first call) where numba
-    imports and the environment variable ``ROUTEREPLAY_XL_ANS_JIT`` is not ``0`` (read at
-    every call); else None, and this module codes with constriction (the same words,
-    4-7x slower)."""
-    if os.environ.get(JIT_ENV, "1") == "0":
+    """routereplay.codec.xl_ans_jit (numba kernels, imported on first call), or None: then
+    this module codes with constriction (the same bytes, 4-6x slower).
+
+    ``ROUTEREPLAY_XL_ANS_JIT`` (read at every call): unset or ``auto``: the kernels where
+    numba imports, else constriction with a RuntimeWarning, once per process (a trainer
+    environment without vLLM often lacks numba: ``pip install 'routereplay[jit]'``);
+    ``0``/``false``/``off``/``no``: constriction; ``1``/``true``/``on``/``yes``: the
+    kernels, or ConfigError where numba does not import.
+
+    Raises:
+        ConfigError: another value, or the kernels required and not available."""
+    mode = os.environ.get(JIT_ENV, "auto").strip().lower()
+    if mode in _JIT_OFF:
         return None
+    if mode not in _JIT_ON and mode != "auto":
+        raise ConfigError(f"{JIT_ENV}={mode!r}: use auto (default), 1 or 0")
     if not _JIT:
+        why = None
         try:
             from routereplay.codec import xl_ans_jit
         except ModuleNotFoundError as exc:
             if exc.name not in ("numba", "llvmlite"):
                 raise
-            xl_ans_jit = None                   # numba not installed: constriction
+            xl_ans_jit, why = None, "numba is not installed (pip install 'routereplay[jit]')"
         except Exception as exc:  # noqa: BLE001 - a broken numba must not make data unreadable
-            warnings.warn(f"routereplay: numba is installed but its xl-ans kernels cannot be "
-                          f"built ({type(exc).__name__}: {exc}); coding xl-ans with "
-                          f"constriction (the same bytes, slower)", RuntimeWarning, stacklevel=2)
-            xl_ans_jit = None
-        _JIT.append(xl_ans_jit)
+            xl_ans_jit, why = None, f"numba's kernels cannot be built ({type(exc).__name__}: {exc})"
+        _JIT.extend([xl_ans_jit, why, False])
+    if _JIT[0] is None:
+        if mode in _JIT_ON:
+            raise ConfigError(f"{JIT_ENV}={mode}: {_JIT[1]}")
+        if not _JIT[2]:
+            _JIT[2] = True
+            warnings.warn(f"routereplay: {_JIT[1]}; xl-ans is coded with constriction (the same "
+                          f"bytes, 4-6x slower)", RuntimeWarning, stacklevel=3)
     return _JIT[0]
 
 
@@ -159,7 +175,7 @@ def _binomials(n: int, k: int) -> np.ndarray:
     return t
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(eq=False)
 class XlModel:
     """The counts of an ``xl-ans`` model (one per model frame), all u16 (stored) or int64
     (accumulating):
@@ -202,10 +218,12 @@ class XlModel:
         """L: the MoE layers the model has tables for."""
         return self.pop.shape[0]
 
-    def check_shapes(self) -> None:
+    def check_shapes(self, coding: bool = False) -> None:
         """Raise RecordError (a ValueError) unless E and K are in range and the four tables
         have the shapes :func:`table_shapes` gives for them (the compiled coder indexes
-        them unchecked)."""
+        them unchecked); ``coding``: also unless every count is an integer in [0, 65535]
+        (what a model frame stores: :meth:`stored`; a coder's weights stay exact in int64
+        only below that)."""
         e, k = self.num_experts, self.top_k
         ok = isinstance(self.pop, np.ndarray) and self.pop.ndim == 2 and \
             2 <= e <= MAX_EXPERTS and 1 <= k <= e
@@ -215,15 +233,24 @@ class XlModel:
             raise RecordError(f"xl-ans model tables of shapes "
                               f"{[getattr(a, 'shape', None) for a in (self.flags, self.pop, self.pair, self.joint)]}"
                               f" do not fit E={e}, top-{k} ({shapes or 'E or K out of range'})")
+        if coding:
+            for a in (self.flags, self.pop, self.pair, self.joint):
+                if a.dtype != np.uint16 and a.size and (
+                        a.dtype.kind not in "iu" or int(a.min()) < 0 or int(a.max()) > COUNT_MAX):
+                    raise RecordError(f"xl-ans codes with counts in [0, {COUNT_MAX}] (a model "
+                                      f"frame's: XlModel.stored()), got {a.dtype} counts in "
+                                      f"[{a.min()}, {a.max()}]")
 
     def count(self, ids: np.ndarray) -> None:
         """Add a record's routing, ids int [T, L, K] (all MoE layers, engine column order),
         to the counts.
 
         Raises:
-            RecordError (a ValueError): ids of another number of MoE layers or top_k."""
+            RecordError (a ValueError): ids not an integer array, of another number of MoE
+                layers or top_k, or tables that do not fit the model's E and top_k."""
         ids = np.asarray(ids)
         self.check_shapes()
+        _check_dtype(ids)
         t, nl, k = ids.shape
         e = self.num_experts
         if nl != self.num_layers or k != self.top_k:
@@ -233,7 +260,7 @@ class XlModel:
             return
         jit = compiled()
         tables = (self.flags, self.pop, self.pair, self.joint)
-        if jit is not None and ids.dtype.kind in "iu" and all(
+        if jit is not None and ids.dtype.isnative and all(
                 a.dtype == np.int64 and a.flags.c_contiguous and a.flags.writeable
                 for a in tables):
             ids = np.ascontiguousarray(ids)
@@ -285,7 +312,7 @@ class XlModel:
         NOTE: a count learned from n rows is only known to about +-sqrt(n) (sampling noise),
         so the digits below that step cost model bytes and buy no rate. Measured on the
         cross-layer source (E=8 top-2, 32 layers, 1K-token records): model frames 25-35 %
-        smaller (a model from 1 record: 8.0 -> 5.8 KB) at the same rate (1.033x from 1
+        smaller at 1-16 records (a model from 1 record: 8.0 -> 5.8 KB; 20 % from 64, 15 % from 256) at the same rate (1.033x from 1
         record, 1.018x from 4), so the writer can afford its first model frame earlier; whole
         streams of 64 records 104.2 -> 103.9 % of the entropy rate, of 256 records 102.6 ->
         102.3 %.
@@ -361,6 +388,13 @@ class XlModel:
         return cls(e, k, *arrs)
 
 
+def _check_dtype(ids: np.ndarray) -> None:
+    """Raise RecordError unless ``ids`` is an integer array [T, L, K] (a float or object
+    array would be truncated on the way to the coder)."""
+    if ids.dtype.kind not in "iu" or ids.ndim != 3:
+        raise RecordError(f"xl-ans codes integer ids [T, L, K], got {ids.dtype} {ids.shape}")
+
+
 def _column_weights(base: np.ndarray, taken: np.ndarray) -> np.ndarray:
     """base int64 [N, E] (or [1, E]), taken bool [N, E] -> weights base + 1, 1 where taken."""
     return np.where(taken, 1, base + 1)
@@ -384,7 +418,7 @@ class _Tables:
     """
 
     def __init__(self, m: XlModel):
-        m.check_shapes()
+        m.check_shapes(coding=True)
         e, k, c = m.num_experts, m.top_k, m.joint.shape[1]
         nl = m.num_layers
         self.top_k = k
@@ -542,9 +576,10 @@ def encode(ids: np.ndarray, model: XlModel, l0: int) -> bytes:
     writer checks both and keeps ``xl-zstd`` there.
 
     Raises:
-        RecordError (a ValueError): an id out of [0, E), a row repeating an expert, or
-            layers beyond the model's.
+        RecordError (a ValueError): ids not an integer array [T, G, K], an id out of
+            [0, E), a row repeating an expert, or layers beyond the model's.
     """
+    _check_dtype(ids)
     t, g, k = ids.shape
     e = model.num_experts
     if l0 < 0 or l0 + g > model.num_layers or k != model.top_k:
@@ -552,7 +587,7 @@ def encode(ids: np.ndarray, model: XlModel, l0: int) -> bytes:
                           f"a model of {model.num_layers} layers x top-{model.top_k}")
     jit = compiled()
     if jit is not None:
-        ids = np.ascontiguousarray(ids)
+        ids = np.ascontiguousarray(ids, dtype=ids.dtype.newbyteorder("="))
         bad = jit.check_ids(ids, e)
     else:
         a = ids.astype(np.int64)

@@ -7,13 +7,15 @@ section encoded by either path decodes with the other, byte for byte
 sections). What differs is the cost: the constriction path calls the coder once per layer
 and column with per-symbol models (E float64 parameters a symbol, built with numpy), about
 10 MB/s at E=8 top-2; these kernels walk the section once, symbol by symbol, with the
-frequency tables routereplay.codec.xl_ans computes once per model (45-55 MB/s there).
+frequency tables routereplay.codec.xl_ans computes once per model (45 / 65 MB/s there).
 
 This module imports numba; routereplay.codec.xl_ans imports it on first use
-(:func:`routereplay.codec.xl_ans.compiled`), where numba is installed (vLLM depends on it;
-``pip install 'routereplay[jit]'`` elsewhere) and ``ROUTEREPLAY_XL_ANS_JIT`` is not ``0``.
-The kernels compile on first call (about 4 s; numba caches them on disk where it can
-write) and release the GIL (reader threads decode in parallel).
+(:func:`routereplay.codec.xl_ans.compiled`, which also reads ``ROUTEREPLAY_XL_ANS_JIT``),
+where numba is installed (vLLM depends on it; ``pip install 'routereplay[jit]'``
+elsewhere). The kernels compile on their first call in a process tree (4-10 s in all)
+and are cached on disk (next to this file, else in numba's user cache or
+``NUMBA_CACHE_DIR``; later processes load them in 0.4-2 s). They release the GIL: threads
+each with their own SidecarReader decode in parallel (one reader's methods take turns).
 
 Shape legend: T rows, G layers of the section, K = top_k, E = num_experts, L = the model's
 MoE layers, C = expert sets of the joint table (possibly 0).
@@ -32,7 +34,14 @@ CHUNK_ROWS = 4096           # rows whose frequencies exist at once (as xl_ans.CH
 # error codes of the decode kernel (routereplay.codec.xl_ans turns them into SidecarError)
 OK, ENDS_EARLY, OVER_BUDGET, REPEATED_ID, FRESH_REPEATS, BAD_END = range(6)
 
-_njit = numba.njit(cache=True, nogil=True)
+
+def _njit(fn):
+    """numba.njit, cached on disk where numba finds a writable place (next to this file, or
+    the user's cache directory), else compiled anew in each process."""
+    try:
+        return numba.njit(cache=True, nogil=True)(fn)
+    except RuntimeError:                     # numba: "no locator available"
+        return numba.njit(nogil=True)(fn)
 
 
 @_njit
@@ -46,9 +55,19 @@ def _freqs(u, n, f):
         if u[i] > u[top]:
             top = i
     free = _TOTAL - n
+    # NOTE: floor(u[i] * free / tot_u) by a float64 multiply, corrected to the exact integer
+    # (the product is below 2^24 and off by far less than 1, so one step fixes it): twice
+    # as fast as an integer division per entry at E=64
+    inv = free / tot_u
     tot = 0
     for i in range(n):
-        fi = u[i] * free // tot_u + 1
+        num = u[i] * free
+        fi = np.int64(u[i] * inv)
+        if fi * tot_u > num:
+            fi -= 1
+        elif (fi + 1) * tot_u <= num:
+            fi += 1
+        fi += 1
         f[i] = fi
         tot += fi
     f[top] += _TOTAL - tot
@@ -149,11 +168,14 @@ def decode_section(words, t, g, k, e, l0, flags, pop, pop0, pop1, succ, joint, j
     for lp in range(g):
         lyr = l0 + lp
         rep[:] = False
+        # NOTE: "ends early" is checked where a block of symbols starts (the flags of a
+        # layer, a chunk of a column), as the constriction path does: an empty decoder
+        # then decodes symbol 0 and stays empty, and a later check refuses the section
+        if t > 1 and state == 0 and r == 0:
+            return ENDS_EARLY, lyr
         for row in range(1, t):
             x = 2 if lp == 0 else (1 if rep_up[row] else 0)
             f0 = np.uint64(flags[lyr, x, 0] + 1)
-            if state == 0 and r == 0:
-                return ENDS_EARLY, lyr
             q = state & mask
             if q < f0:
                 state = (state >> sh) * f0 + q
@@ -176,10 +198,10 @@ def decode_section(words, t, g, k, e, l0, flags, pop, pop0, pop1, succ, joint, j
                 i1 = min(i0 + CHUNK_ROWS, n)
                 _column_freqs(out, fresh, i0, i1, lp, lyr, j, k, e, pop, pop0, pop1, succ,
                               joint, joint0, joint1, binom, u, sk, fb)
+                if state == 0 and r == 0:
+                    return ENDS_EARLY, lyr
                 for i in range(i0, i1):
                     row = fresh[i]
-                    if state == 0 and r == 0:
-                        return ENDS_EARLY, lyr
                     q = state & mask
                     # s: the symbol whose interval holds q (a search without early exit:
                     # conditional moves, no mispredicted branches; 20 % faster at E=8)

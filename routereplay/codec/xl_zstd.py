@@ -136,6 +136,8 @@ def _choose(ids: np.ndarray, num_experts: int, check: str, mode0: bytes) -> byte
 
 def _plain_check(ids: np.ndarray, check: str, best: bytes, comp: dict) -> bytes:
     """``best``, or mode 2 where it is tried (``check``) and smaller."""
+    if check == "never":
+        return best
     raw = _plain(ids)
     if check == "always" or len(raw) <= CHECK_BYTES:
         plain = comp["plain"].compress(raw)
@@ -148,9 +150,13 @@ def encode_grid(ids: np.ndarray, num_experts: int, token_block: int, layer_group
                 check: str = "auto") -> list[bytes]:
     """ids [T, L, top_k] -> the ``xl-zstd`` sections of a version-3 grid, group-major; each
     exactly :func:`encode` of its slice (one-layer groups take their mode-0 payloads from
-    :func:`routereplay.codec.ctx_zstd.encode_grid`, one pass over the record)."""
-    if check not in ("auto", "always"):
-        raise ConfigError(f"check must be 'auto' or 'always', got {check!r}")
+    :func:`routereplay.codec.ctx_zstd.encode_grid`, one pass over the record).
+
+    ``check``: as :func:`encode`, or ``"never"`` (no zstd-19 pass: the writer's trial of a
+    geometry, whose sections it may throw away; :func:`check_grid` adds the pass to
+    sections it keeps)."""
+    if check not in ("auto", "always", "never"):
+        raise ConfigError(f"check must be 'auto', 'always' or 'never', got {check!r}")
     t, nl, _ = ids.shape
     mode0 = ctx_zstd.encode_grid(ids, num_experts, token_block, layer_group)
     out, i = [], 0
@@ -158,6 +164,22 @@ def encode_grid(ids: np.ndarray, num_experts: int, token_block: int, layer_group
         for r0 in range(0, max(t, 1), token_block):
             part = ids[r0:r0 + token_block, l0:l0 + layer_group]
             out.append(_choose(np.ascontiguousarray(part), num_experts, check, mode0[i]))
+            i += 1
+    return out
+
+
+def check_grid(ids: np.ndarray, sections: list[bytes], token_block: int,
+               layer_group: int) -> list[bytes]:
+    """Sections of :func:`encode_grid` with ``check="never"`` -> those of ``check="auto"``
+    (the zstd-19 pass where a section is at most ``CHECK_BYTES`` plain bytes), byte for
+    byte."""
+    t, nl, _ = ids.shape
+    comp = _compressors()
+    out, i = [], 0
+    for l0 in range(0, nl, layer_group):
+        for r0 in range(0, max(t, 1), token_block):
+            part = np.ascontiguousarray(ids[r0:r0 + token_block, l0:l0 + layer_group])
+            out.append(_plain_check(part, "auto", sections[i], comp))
             i += 1
     return out
 

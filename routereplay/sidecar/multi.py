@@ -257,6 +257,23 @@ class MultiSidecarReader:
                 return m
         return None
 
+    def xl_ans_counts(self) -> Any:
+        """An ``xl-ans`` model counted from every record of every stream
+        (:meth:`SidecarReader.xl_ans_counts`, summed), to seed a later stream's writer.
+
+        Raises:
+            SidecarError: a record that does not read (named);
+            RecordError (a ValueError): a schema xl-ans cannot model (E outside 2-64)."""
+        total = None
+        for r in self.readers:
+            m = r.xl_ans_counts()
+            if total is None:
+                total = m
+            else:
+                for name in ("flags", "pop", "pair", "joint"):
+                    getattr(total, name)[...] += getattr(m, name)
+        return total
+
     @_serialized
     def close(self) -> None:
         """Close every stream."""

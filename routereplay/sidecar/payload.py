@@ -394,6 +394,9 @@ def assemble(meta: bytes, sections: list[tuple[int, bytes]],
     return out
 
 
+TRIAL_SHARE = 8              # 1/8 of a record's token blocks decide its grid's block size
+
+
 def grid_sections(ids: np.ndarray, codec: str, num_experts: int,
                   token_block: int = DEFAULT_TOKEN_BLOCK, layer_group: int = DEFAULT_LAYER_GROUP,
                   one_section_bytes: int = DEFAULT_ONE_SECTION_BYTES,
@@ -403,7 +406,8 @@ def grid_sections(ids: np.ndarray, codec: str, num_experts: int,
     with ``codec`` (before any expansion-limit fallback): (grid, B, G, section data, group-
     major). One section when the ids take at most ``one_section_bytes``; else
     ``token_block`` x ``layer_group``, the token block multiplied by the smallest power of
-    two that brings the mean coded section to ``min_section_bytes`` where it is below.
+    two that brings the mean coded section to ``min_section_bytes`` where it is below (the
+    mean over the record's first ``1 / TRIAL_SHARE`` token blocks, at least one).
     """
     t, nl = ids.shape[:2]
     if ids.nbytes <= one_section_bytes:
@@ -411,19 +415,46 @@ def grid_sections(ids: np.ndarray, codec: str, num_experts: int,
         return False, b_rows, g_layers, _codec.encode_grid(ids, codec, num_experts, b_rows,
                                                            g_layers)
     b_rows, g_layers = token_block, layer_group
-    blobs = _codec.encode_grid(ids, codec, num_experts, b_rows, g_layers)
-    if min_section_bytes and t > b_rows:
-        # NOTE: highly repetitive routing codes a 512-row section to a few hundred bytes, and
-        # a section's fixed cost (zstd frame, Huffman table, CRC, table entry: 30-60 bytes)
-        # then takes a large share (measured up to 1.5x zstd-19 on 4096-token records with
-        # 90 % repeats). Longer blocks, to about min_section_bytes coded each, cost a rank
-        # reading a few rows at most that many bytes more.
-        mean = sum(map(len, blobs)) / len(blobs)
-        if mean < min_section_bytes:
-            m = 1 << int(np.ceil(np.log2(min_section_bytes / max(mean, 1.0))))
-            b_rows = min(b_rows * m, t)
-            blobs = _codec.encode_grid(ids, codec, num_experts, b_rows, g_layers)
+    if not min_section_bytes or t <= b_rows:
+        return True, b_rows, g_layers, _codec.encode_grid(ids, codec, num_experts, b_rows,
+                                                          g_layers)
+    # NOTE: highly repetitive routing codes a 512-row section to a few hundred bytes, and a
+    # section's fixed cost (zstd frame, Huffman table, CRC, table entry: 30-60 bytes) then
+    # takes a large share (measured up to 1.5x zstd-19 on 4096-token records with 90 %
+    # repeats). Longer blocks, to about min_section_bytes coded each, cost a rank reading a
+    # few rows at most that many bytes more.
+    # NOTE: the mean is taken over the record's first token blocks (1/TRIAL_SHARE of them,
+    # at least one), coded without xl-zstd's zstd-19 pass, and the sections of the rest
+    # coded only once the block is known: coding every section twice, the first time with
+    # that pass (a 4K-token record of 32 layers x top-2: 256 sections of 1 KiB, each under
+    # xl_zstd.CHECK_BYTES), held the writer to 9 MB/s there. Row slices are views: no copy.
+    blocks = -(-t // b_rows)
+    head_rows = max(1, blocks // TRIAL_SHARE) * b_rows
+    head = _coded(ids[:head_rows], codec, num_experts, b_rows, g_layers, check="never")
+    mean = sum(map(len, head)) / len(head)
+    if mean < min_section_bytes:
+        m = 1 << int(np.ceil(np.log2(min_section_bytes / max(mean, 1.0))))
+        b_rows = min(b_rows * m, t)
+        return True, b_rows, g_layers, _coded(ids, codec, num_experts, b_rows, g_layers)
+    if codec == "xl-zstd":
+        head = _codec.xl_zstd.check_grid(ids[:head_rows], head, b_rows, g_layers)
+    if head_rows >= t:
+        return True, b_rows, g_layers, head
+    tail = _coded(ids[head_rows:], codec, num_experts, b_rows, g_layers)
+    hb, tb = head_rows // b_rows, blocks - head_rows // b_rows       # blocks a group
+    blobs = []
+    for gi in range(len(head) // hb):                   # group-major: a group's blocks in order
+        blobs += head[gi * hb:(gi + 1) * hb] + tail[gi * tb:(gi + 1) * tb]
     return True, b_rows, g_layers, blobs
+
+
+def _coded(ids: np.ndarray, codec: str, num_experts: int, b_rows: int, g_layers: int,
+           check: str = "auto") -> list[bytes]:
+    """routereplay.codec.encode_grid; ``check``: xl-zstd's zstd-19 pass
+    (routereplay.codec.xl_zstd.encode_grid), ignored by other codecs."""
+    if codec == "xl-zstd":
+        return _codec.xl_zstd.encode_grid(ids, num_experts, b_rows, g_layers, check=check)
+    return _codec.encode_grid(ids, codec, num_experts, b_rows, g_layers)
 
 
 def _encode_routing(part: np.ndarray, codec: str, num_experts: int) -> tuple[str, bytes, int]:

@@ -367,9 +367,10 @@ class SidecarReader:
         """The ``xl-ans`` model of the stream's last model frame, to seed a later stream's
         writer (``SidecarWriter(..., codec="xl-ans", xl_ans_seed=)``); None where the
         stream has none. Scans the stream (reads every frame not scanned yet). Its counts
-        are u16 (each table scaled so no count exceeds 65535) and learned from the records
-        before that frame only: where the stream's writer is at hand, its
-        ``learned_model()`` holds them all.
+        are u16 (each table scaled so no count exceeds 65535, then rounded) and learned from
+        the records before that frame only: where the stream's writer is at hand, its
+        ``learned_model()`` holds them all, and :meth:`xl_ans_counts` counts them all
+        again from the stream.
 
         Raises:
             SidecarError: that model frame is corrupt."""
@@ -377,6 +378,25 @@ class SidecarReader:
         if not self._model_frames:
             return None
         return self._model_at(max(self._model_frames))
+
+    @_serialized
+    def xl_ans_counts(self) -> "xl_ans.XlModel":
+        """An ``xl-ans`` model counted from every record of the stream (each one read and
+        decoded), int64 counts as the stream's writer's ``learned_model()`` holds them
+        (without that writer's own seed): the seed of a later stream's writer
+        (``SidecarWriter(..., codec="xl-ans", xl_ans_seed=)``) with all of this stream's
+        routing, where :meth:`xl_ans_model` gives its last model frame's counts, learned
+        from the records before that frame only (in a short stream, often the first one or
+        two). Any codec's stream can seed: its routing is what is counted.
+
+        Raises:
+            SidecarError: a record that does not read (named);
+            RecordError (a ValueError): a schema xl-ans cannot model (E outside 2-64)."""
+        s = self.schema
+        m = xl_ans.XlModel.empty(s.num_moe_layers, s.num_experts, s.top_k)
+        for sid in self.sample_ids():
+            m.count(self.read(sid).expert_ids)
+        return m
 
     def _model_at(self, off: int, before: int | None = None) -> Any:
         """The xl-ans model of the model frame at ``off`` (read, checked, cached: every

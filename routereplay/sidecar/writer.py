@@ -124,11 +124,16 @@ class SidecarWriter:
         format_version: 3 (default) or 2, for readers older than version 3 (which refuse
             version 3 by its header).
         xl_ans_seed: ``xl-ans`` only: the counts of an earlier stream of the same schema
-            (:meth:`learned_model` of its writer, or ``SidecarReader.xl_ans_model()``),
-            written as this stream's first model frame and learned on from: the stream's
-            first records are coded with a model (one stream per weight version otherwise
-            relearns it each time). A seed weighs at most as much as 2^20 token-layer rows
-            of the new stream (``SEED_ROWS``), which then take over.
+            (:meth:`learned_model` of its writer, or ``SidecarReader.xl_ans_counts()``,
+            which counts a stream on disk again; ``SidecarReader.xl_ans_model()`` holds
+            only what its last model frame learned), written as this stream's first model
+            frame and learned on from: the stream's first records are coded with a model
+            (one stream per weight version otherwise relearns it each time). A seed weighs
+            at most as much as 2^20 token-layer rows of the new stream (``SEED_ROWS``).
+            The writer also learns this stream's records alone and writes their model
+            where it beats the seed's (routing that changed since the seed): a seed from
+            other routing then costs about its frame (measured up to 6 %); from the same
+            run's previous step it saves 1-3 %.
         background: encode and write on a background thread (default). The queue holds
             at most ``max_queue`` records; :meth:`write` blocks when it is full.
         fsync: "close" (default) fsyncs local files on close; "frame" after every frame;
@@ -139,8 +144,9 @@ class SidecarWriter:
             10-50x slower. ``xl-ans`` (E <= 64, version 3) learns a cross-layer model from
             the records written and writes it into the stream as a model frame (kind 3)
             when it pays for itself; later sections use it where smaller than ``xl-zstd``
-            (13-15 % smaller streams on routing whose layers depend on each other, at
-            about 10 MB/s; grid layer group 8 by default). docs/FORMAT.md "xl-ans".
+            (13-15 % smaller streams on routing whose layers depend on each other; a
+            writer at about 15 MB/s with numba, 5-6 without, E=8 top-2; grid layer group
+            8 by default). docs/FORMAT.md "xl-ans".
         column_order: "engine" (default: top-k columns exactly as the engine returned
             them) or "sorted" (canonical: each row in ascending expert id; declared in the
             header; ``ctx-ans-sorted`` codes it smaller by about log2(top_k!) bits a row).
@@ -254,6 +260,10 @@ class SidecarWriter:
         self._model: tuple[int, xl_ans.XlModel] | None = None
         self._model_bytes = self._raw_bytes = self._models_written = 0
         self._next_model_rows = MODEL_FIRST_ROWS
+        # NOTE: a seeded writer also counts this stream's rows alone (``_own``): where the
+        # seed's routing differs from this stream's (another checkpoint, a changed policy),
+        # a model of them alone can beat the seed's, whose weight would drown them
+        self._own: xl_ans.XlModel | None = None
         self._ids: set[str] = set()
         self._pos = 0
         self._closed = False
@@ -419,6 +429,7 @@ class SidecarWriter:
             # much as SEED_ROWS rows of this stream, which then take over
             arrays = [a * SEED_ROWS // rows for a in arrays]
         self._learn = xl_ans.XlModel(seed.num_experts, seed.top_k, *arrays)
+        self._own = xl_ans.XlModel.empty(s.num_moe_layers, s.num_experts, s.top_k)
         payload = self._learn.stored().to_bytes()
         least, _ = xl_ans.payload_limits(s.num_moe_layers, s.num_experts, s.top_k)
         if len(payload) < least:
@@ -427,8 +438,7 @@ class SidecarWriter:
         self._emit(encode_frame(KIND_MODEL, payload))
         self._model = (offset, xl_ans.XlModel.from_bytes(payload, s.num_moe_layers,
                                                          s.num_experts, s.top_k))
-        self._models_written, self._model_bytes = 1, len(payload) + 24
-        self._next_model_rows = MODEL_REFRESH * self._learn.rows_counted()
+        self._models_written = 1
 
     def _learn_from(self, record: RoutingRecord) -> Any:
         """xl-ans: write a new model frame when due (learned from the records before
@@ -449,40 +459,53 @@ class SidecarWriter:
             return self._maybe_model(record)
         finally:
             self._learn.count(ids)
+            if self._own is not None:
+                self._own.count(ids)
 
     def _maybe_model(self, record: RoutingRecord) -> Any:
         """Write a model frame of the records before ``record`` if one is due and pays;
-        then ``record``'s payload under it, else None."""
+        then ``record``'s payload under it, else None.
+
+        Candidates: the counts of every record before (and the seed's); in a seeded
+        writer also this stream's records alone. Rows, the frames' share of the ids and
+        the schedule count this stream's own records (a seed frame is not charged)."""
         assert self._learn is not None
-        rows = self._learn.rows_counted()
+        own = self._own if self._own is not None else self._learn
+        rows = own.rows_counted()
         if rows < self._next_model_rows or self._models_written >= MAX_MODELS:
             return None
-        payload = self._learn.stored().to_bytes()
-        frame = len(payload) + 24
-        share = MODEL_FIRST_SHARE if self._model is None else MODEL_SHARE
         s = self.schema
         least, _ = xl_ans.payload_limits(s.num_moe_layers, s.num_experts, s.top_k)
-        if self._model_bytes + frame > share * self._raw_bytes or len(payload) < least:
-            self._next_model_rows = 2 * rows
-            return None
+        share = MODEL_FIRST_SHARE if not self._model_bytes else MODEL_SHARE
         offset = self._pos
-        model = (offset, xl_ans.XlModel.from_bytes(payload, s.num_moe_layers, s.num_experts,
-                                                   s.top_k))
-        # NOTE: worth it only if it saves its bytes: what it saves on this record (against
-        # the model in use, or none; a record the model has not seen), times the records
-        # written so far (as many again are expected), must pay for the frame. Routing
-        # with no cross-layer structure to learn gets no model frames.
         # NOTE: the model frame goes at ``offset``, so the payload coded with it here is the
         # record's payload once the frame is written
-        coded = self._payload(record, model)
-        saved = len(self._payload(record, self._model)) - len(coded)
-        if saved * (len(self._index) + 1) < frame:
+        current = best = None
+        for counts in [self._learn] + ([self._own] if self._own is not None else []):
+            payload = counts.stored().to_bytes()
+            frame = len(payload) + 24
+            if self._model_bytes + frame > share * self._raw_bytes or len(payload) < least:
+                continue
+            if current is None:
+                current = len(self._payload(record, self._model))
+            model = (offset, xl_ans.XlModel.from_bytes(payload, s.num_moe_layers,
+                                                       s.num_experts, s.top_k))
+            coded = self._payload(record, model)
+            # NOTE: worth it only if it saves its bytes: what it saves on this record
+            # (against the model in use, or none; a record the model has not seen), times
+            # the records written so far (as many again are expected), must pay for the
+            # frame. Routing with no cross-layer structure to learn gets no model frames.
+            saved = current - len(coded)
+            if saved * (len(self._index) + 1) >= frame and (best is None or saved > best[0]):
+                best = (saved, payload, model, coded)
+        if best is None:
             self._next_model_rows = 2 * rows
             return None
+        _, payload, model, coded = best
         self._emit(encode_frame(KIND_MODEL, payload))
         self._models_written += 1
         self._model = model
-        self._model_bytes += frame
+        self._model_bytes += len(payload) + 24
         self._next_model_rows = MODEL_REFRESH * rows
         return coded
 
