@@ -655,9 +655,12 @@ def test_a_stream_seeded_with_the_previous_streams_model_codes_its_first_records
     # the reader hands out the last model frame's model, to seed from a stream on disk
     again = SidecarReader(w.getvalue()).xl_ans_model()
     assert again is not None and again.num_layers == 16
-    with pytest.raises(ConfigError, match="xl_ans_seed must be"):
+    with pytest.raises(ConfigError, match="a model of 16 MoE layers, 8 experts, top-2; this "
+                                          "stream has 8, 8, top-2"):
         SidecarWriter(None, RoutingSchema(8, tuple(range(8)), 2, 8), codec="xl-ans",
                       xl_ans_seed=seed)
+    with pytest.raises(ConfigError, match=r"xl_ans_counts\(\)\), got str"):
+        SidecarWriter(None, schema, codec="xl-ans", xl_ans_seed="prev.rrsc")
     # the vLLM plugin's streams: rotation (a new weight version) seeds the next stream
     st = Streamer(str(tmp_path) + "/", codec="xl-ans", schema=schema)
     wr = st._writer()
@@ -842,6 +845,12 @@ def test_convert_seed_from_counts_every_record_of_the_seed_streams(tmp_path):
     p = run_py(args + ["--seed-from", str(other)], timeout=120)
     assert p.returncode == 2
     assert "its streams have 8 MoE layers, 8 experts, top-2; the input has 16" in p.stderr
+    tiny = tmp_path / "tiny"                # too few rows for a model: said (newcomer review)
+    tiny.mkdir()
+    np.save(tiny / "t0.npy", src.sample(rng, 50)[0])
+    p = run_py(args[:5] + [str(tiny)] + args[6:], timeout=120)
+    assert p.returncode == 0, p.stderr
+    assert "no xl-ans model frame: 800 token-layer rows are too few" in p.stdout
 
 
 def test_set_index_is_exact_where_products_overflowed():

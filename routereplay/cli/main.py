@@ -481,6 +481,13 @@ def _convert(a: argparse.Namespace, schema) -> int:
     rows = tokens * schema.num_moe_layers
     print(f"wrote {n} records, {tokens} tokens, {size} bytes"
           + (f", {8 * size / rows:.3f} bits per token-layer" if rows else "") + f" -> {a.out}")
+    if w.codec == "xl-ans" and not w.model_frames:
+        from routereplay.sidecar.writer import MODEL_FIRST_ROWS
+        why = (f"{rows} token-layer rows are too few to learn from (a model needs "
+               f"{MODEL_FIRST_ROWS})" if rows < MODEL_FIRST_ROWS else
+               "no model would have saved its own bytes (routing whose layers do not depend "
+               "on each other, or too few records)")
+        print(f"no xl-ans model frame: {why}; the stream is coded as xl-zstd")
     return 0
 
 

@@ -51,11 +51,14 @@ def _check_seed(seed: Any, codec: str, schema: RoutingSchema) -> None:
     if codec != "xl-ans":
         raise ConfigError(f"xl_ans_seed is for codec 'xl-ans', not {codec!r}")
     s = schema
-    if not isinstance(seed, xl_ans.XlModel) or (seed.num_layers, seed.num_experts,
-                                                 seed.top_k) != (s.num_moe_layers,
-                                                                 s.num_experts, s.top_k):
-        raise ConfigError(f"xl_ans_seed must be an XlModel of {s.num_moe_layers} MoE "
-                          f"layers, {s.num_experts} experts, top-{s.top_k}")
+    if not isinstance(seed, xl_ans.XlModel):
+        raise ConfigError(f"xl_ans_seed must be an XlModel (a writer's learned_model(), or "
+                          f"SidecarReader(path).xl_ans_counts()), got {type(seed).__name__}")
+    if (seed.num_layers, seed.num_experts, seed.top_k) != (s.num_moe_layers, s.num_experts,
+                                                           s.top_k):
+        raise ConfigError(f"xl_ans_seed is a model of {seed.num_layers} MoE layers, "
+                          f"{seed.num_experts} experts, top-{seed.top_k}; this stream has "
+                          f"{s.num_moe_layers}, {s.num_experts}, top-{s.top_k}")
     shapes = xl_ans.table_shapes(s.num_moe_layers, s.num_experts, s.top_k)
     for a, shape in zip((seed.flags, seed.pop, seed.pair, seed.joint), shapes):
         a = np.asarray(a)
@@ -361,6 +364,13 @@ class SidecarWriter:
     def bytes_written(self) -> int:
         """Bytes appended so far (header and frames)."""
         return self._bytes_written
+
+    @property
+    def model_frames(self) -> int:
+        """``xl-ans`` model frames written so far (a seed's included; 0 for other codecs):
+        0 after :meth:`close` means the stream is coded as ``xl-zstd`` throughout (too
+        few rows, or no model paid for itself)."""
+        return self._models_written
 
     def __enter__(self) -> "SidecarWriter":
         return self
