@@ -15,7 +15,9 @@ record, every sample id read; our errors caught) and reports:
   of a read (opening, parsing a header, a numpy call) is then what is measured.
 
 The `inspect` rows run the command line itself (`python -m routereplay inspect`), so they
-include the interpreter's start-up (about 0.3-1 s of CPU and 40-60 MiB here).
+include the interpreter's start-up (about 0.3-1 s of CPU and 40-60 MiB here). The other
+rows load xl-ans's numba kernels before the measured read (a fixed 0.2 s and 100 MiB per
+process, whatever the input; `ROUTEREPLAY_XL_ANS_JIT=0` measures the constriction path).
 Timings are noisy: the 2 cores are shared with other work.
 """
 from __future__ import annotations
@@ -91,9 +93,25 @@ SCHEMA_SMALL = RoutingSchema(num_hidden_layers=4, moe_layer_ids=(1, 2, 3), top_k
                              num_experts=16)
 
 
+def _load_xl_ans_kernels() -> None:
+    """Load xl-ans's numba kernels (import, and each kernel's code from numba's disk cache)
+    by coding one small section: a fixed cost per process (about 0.2 s of CPU and 100 MiB
+    of RSS), whatever the input, kept out of the measured read like the interpreter's
+    start-up. The constriction path (ROUTEREPLAY_XL_ANS_JIT=0) has nothing to load."""
+    from routereplay.codec import xl_ans
+    if xl_ans.compiled() is None:
+        return
+    m = xl_ans.XlModel.empty(2, 8, 2)
+    x = np.argsort(np.random.default_rng(0).random((500, 2, 8)), axis=-1)[..., :2].astype(np.uint8)
+    m.count(x)
+    model = xl_ans.XlModel.from_bytes(m.stored().to_bytes(), 2, 8, 2)
+    xl_ans.decode(xl_ans.encode(x, model, 0), x.shape, np.uint8, model, 0)
+
+
 def child(kind: str, path: str) -> None:
     """Measure one read in this (fresh) process; print JSON."""
     fn = read_all if kind == "read" else convert_all
+    _load_xl_ans_kernels()
     _reset_peak_rss()
     before = _status("VmRSS")
     t = time.process_time()

@@ -492,6 +492,16 @@ def test_grid_sections_trial_pass_keeps_every_section_of_xl_zstd_encode():
         assert blobs == want
         modes |= {bl[0] for bl in blobs}
     assert xl_zstd.MODE_PLAIN in modes          # the zstd-19 pass kept where it wins
+    rng = np.random.default_rng(5)              # any shape: the sections of its geometry
+    for _ in range(12):
+        t, nl = int(rng.integers(513, 5000)), int(rng.integers(1, 10))
+        e, k = int(rng.choice([4, 8, 16, 64])), int(rng.integers(1, 4))
+        ids = routing_trace(rng, t, nl, e, k, float(rng.choice([0.0, 0.5, 0.9])), 1.0)[0]
+        for name in ("ctx-zstd", "xl-zstd"):
+            grid, b, g, blobs = grid_sections(ids, name, e, layer_group=int(rng.integers(1, 4)),
+                                              one_section_bytes=4096)
+            assert blobs == [codec.encode(np.ascontiguousarray(ids[r:r + b, lo:lo + g]), name, e)
+                             for lo in range(0, nl, g) for r in range(0, t, b)], (t, nl, e, k, b, g)
 
 
 @pytest.mark.parametrize("name", ["ctx-zstd", "xl-zstd", "ctx-ans"])
