@@ -73,6 +73,24 @@ def _freqs(u, n, f):
     f[top] += _TOTAL - tot
 
 
+@numba.njit(nogil=True, inline="always")
+def _set_rank(ids, row, lyr, k, binom, sk):
+    """The set index c(u) of u = ids[row, lyr] (K distinct ids): sum_i binom(s_i, i + 1),
+    s = u sorted into the scratch sk int64 [K] (insertion sort: K is small). Inlined into
+    its callers (a call passing arrays costs reference counting)."""
+    for m in range(k):
+        v = np.int64(ids[row, lyr, m])
+        p = m - 1
+        while p >= 0 and sk[p] > v:
+            sk[p + 1] = sk[p]
+            p -= 1
+        sk[p + 1] = v
+    c = 0
+    for m in range(k):
+        c += binom[sk[m], m + 1]
+    return c
+
+
 @_njit
 def _column_freqs(ids, fresh, i0, i1, lp, lyr, j, k, e, pop, pop0, pop1, succ, joint, joint0,
                   joint1, binom, u, sk, out):
@@ -100,18 +118,7 @@ def _column_freqs(ids, fresh, i0, i1, lp, lyr, j, k, e, pop, pop0, pop1, succ, j
             for x in range(e):
                 u[x] = pop[lyr, x] + 1
         elif joint.shape[0]:
-            # the set index c(u) of the row one layer up: sum_i binom(s_i, i + 1), s = u
-            # sorted (insertion sort: K is small)
-            for m in range(k):
-                v = np.int64(ids[row, lp - 1, m])
-                p = m - 1
-                while p >= 0 and sk[p] > v:
-                    sk[p + 1] = sk[p]
-                    p -= 1
-                sk[p + 1] = v
-            c = 0
-            for m in range(k):
-                c += binom[sk[m], m + 1]
+            c = _set_rank(ids, row, lp - 1, k, binom, sk)      # the set one layer up
             if j == 0:
                 for x in range(e):
                     out[o, x] = joint0[lyr, c, x] + 1
@@ -297,16 +304,7 @@ def count_record(ids, flags, pop, pair, joint, binom):
                 for m in range(k):
                     pair[lyr, uu, ids[row, lyr, m]] += 1
             if joint.shape[1]:
-                for m in range(k):
-                    v = np.int64(ids[row, lyr - 1, m])
-                    p = m - 1
-                    while p >= 0 and sk[p] > v:
-                        sk[p + 1] = sk[p]
-                        p -= 1
-                    sk[p + 1] = v
-                c = 0
-                for m in range(k):
-                    c += binom[sk[m], m + 1]
+                c = _set_rank(ids, row, lyr - 1, k, binom, sk)
                 for m in range(k):
                     joint[lyr, c, ids[row, lyr, m]] += 1
 
