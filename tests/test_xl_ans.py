@@ -142,8 +142,8 @@ def test_compiled_and_constriction_coders_write_the_same_words(monkeypatch, e, k
 def test_without_numba_xl_ans_warns_once_and_codes_the_same_bytes():
     """A trainer environment without numba (no vLLM): xl-ans codes with constriction, the
     same bytes, and says so once per process (RuntimeWarning; the framework review found
-    it 5x slower and silent); ROUTEREPLAY_XL_ANS_JIT=1 then refuses, =0 is quiet, other
-    values are refused."""
+    it 5x slower and silent); ROUTEREPLAY_XL_ANS_JIT=1 then refuses, =0 is quiet, empty is
+    auto, another value is auto with a warning (never an unreadable stream)."""
     import os
     from tests.conftest import run_py
     code = """
@@ -176,7 +176,7 @@ print(len([i for i in w if "numba is not installed" in str(i.message)]), words[0
     assert xl_ans.compiled() is not None
     assert xl_ans.encode(src.sample(np.random.default_rng(2), 300)[0], model, 0).hex() == hexwords
     for value, rc, say in (("0", 0, "0 "), ("1", 1, "numba is not installed"),
-                           ("maybe", 1, "use auto")):
+                           ("maybe", 0, "1 "), ("", 0, "1 ")):
         p = run_py(["-c", code], timeout=120, env={**env, xl_ans.JIT_ENV: value})
         assert p.returncode == rc and say in (p.stdout + p.stderr), (value, p.stdout, p.stderr)
 
@@ -771,6 +771,39 @@ def test_convert_merges_a_folder_of_streams_and_seeds_from_a_previous_one(tmp_pa
 
 
 
+def test_writers_close_the_files_they_opened_and_only_those(tmp_path):
+    """A writer closes a file it opened and never a caller's, seeded or not (the attacker
+    review: the seeded writer's own-record counts reused the attribute that said the writer
+    owned its file, so unseeded writers left their file open, and an fsspec destination
+    that uploads on close was never written, while seeded ones closed the caller's)."""
+    import warnings
+    schema = RoutingSchema(4, tuple(range(4)), 2, 8)
+    src = _source(4, 8, 2)
+    rng = np.random.default_rng(4)
+    seed = xl_ans.XlModel.empty(4, 8, 2)
+    seed.count(src.sample(rng, 3000)[0])
+    for kw in ({}, {"codec": "xl-ans"}, {"codec": "xl-ans", "xl_ans_seed": seed}):
+        path = tmp_path / "a.rrsc"
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", ResourceWarning)
+            w = SidecarWriter(str(path), schema, background=False, **kw)
+            w.write(RoutingRecord("s0", src.sample(rng, 300)[0]))
+            w.close()
+            assert w._f.closed, kw
+        assert SidecarReader(str(path)).read("s0").num_tokens == 300
+        with open(tmp_path / "b.rrsc", "wb") as f:
+            w = SidecarWriter(f, schema, background=False, **kw)
+            w.write(RoutingRecord("s0", src.sample(rng, 300)[0]))
+            w.close()
+            assert not f.closed, kw
+    import fsspec
+    assert fsspec.available_protocols()         # a test dependency: upload-on-close below
+    w = SidecarWriter("simplecache::memory://rr/c.rrsc", schema, background=False)
+    w.write(RoutingRecord("s0", src.sample(rng, 300)[0]))
+    w.close()
+    assert SidecarReader("memory://rr/c.rrsc").read("s0").num_tokens == 300
+
+
 def test_a_seed_from_other_routing_costs_at_most_its_frame():
     """A stream seeded from routing of other tables (another checkpoint, a changed policy:
     the framework review's "source replaced" case) learns a model of its own records: it
@@ -845,6 +878,17 @@ def test_convert_seed_from_counts_every_record_of_the_seed_streams(tmp_path):
     p = run_py(args + ["--seed-from", str(other)], timeout=120)
     assert p.returncode == 2
     assert "its streams have 8 MoE layers, 8 experts, top-2; the input has 16" in p.stderr
+    cut = tmp_path / "cut.rrsc"             # a killed writer's seed: counted, and said
+    cut.write_bytes(prev.read_bytes()[:2 * prev.stat().st_size // 3])
+    p = run_py(args + ["--seed-from", str(cut)], timeout=120)
+    assert p.returncode == 0 and "--seed-from" in p.stderr and "not complete" in p.stderr, \
+        p.stderr
+    mixed = tmp_path / "mixed"              # a folder of two schemas: named as the seed's
+    mixed.mkdir()
+    (mixed / "a.rrsc").write_bytes(prev.read_bytes())
+    (mixed / "b.rrsc").write_bytes(other.read_bytes())
+    p = run_py(args + ["--seed-from", str(mixed)], timeout=120)
+    assert p.returncode == 2 and p.stderr.count("--seed-from") == 1, p.stderr
     tiny = tmp_path / "tiny"                # too few rows for a model: said (newcomer review)
     tiny.mkdir()
     np.save(tiny / "t0.npy", src.sample(rng, 50)[0])

@@ -26,7 +26,7 @@ import stat
 import sys
 from typing import Any, Iterable
 
-from routereplay.errors import ConfigError, RecordError, RouteReplayError, SidecarError
+from routereplay.errors import ConfigError, RouteReplayError, SidecarError
 
 # NOTE: the extra that provides each optional import, for the one-line message a missing
 # dependency gets (pyproject.toml [project.optional-dependencies]).
@@ -355,6 +355,7 @@ def _seed_from(a: argparse.Namespace, schema) -> dict:
             not read."""
     if a.codec != "xl-ans":
         raise ConfigError("--seed-from is for --codec xl-ans")
+    from routereplay.sidecar import MultiSidecarReader
     from routereplay.sidecar.writer import _check_seed
     try:
         with _open([a.seed_from]) as sr:
@@ -367,8 +368,15 @@ def _seed_from(a: argparse.Namespace, schema) -> dict:
             if not sr.sample_ids():
                 raise ConfigError("no record to learn a model from")
             model = sr.xl_ans_counts()
+            for rd in sr.readers if isinstance(sr, MultiSidecarReader) else [sr]:
+                if rd.torn_tail is not None or not rd.complete:
+                    # NOTE: counted as far as it reads, as convert reads such an input
+                    print(_printable(f"routereplay convert: warning: --seed-from {rd.name} is "
+                                     "not complete (a torn tail, or no index and trailer: its "
+                                     "writer is running or was killed); records past what "
+                                     "reads are not counted"), file=sys.stderr)
         _check_seed(model, "xl-ans", schema)
-    except (ConfigError, SidecarError, RecordError) as e:
+    except RouteReplayError as e:
         raise ConfigError(f"--seed-from {a.seed_from}: {e}") from None
     return {"xl_ans_seed": model}
 

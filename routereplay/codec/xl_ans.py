@@ -23,9 +23,10 @@ record's sections, which name it by its frame offset. Per section, layer by laye
 Models are static within a record (no adaptation). Two coders write the same words:
 numba kernels (routereplay.codec.xl_ans_jit, where numba imports: :func:`compiled`), one
 pass over the section, about 45 / 65 MB/s (encode / decode) at E=8 top-2; else
-constriction, vectorized over a section's rows, 1 + K calls per layer, about 10 MB/s. ``xl-ans`` needs a model frame; the
-writer codes a stream's first records with ``xl-zstd`` while it learns, and keeps each
-section's smaller of ``xl-ans`` and ``xl-zstd`` (so the ``xl-zstd`` bound holds).
+constriction, vectorized over a section's rows, 1 + K calls per layer, about 10 MB/s.
+``xl-ans`` needs a model frame; the writer codes a stream's first records with
+``xl-zstd`` while it learns, and keeps each section's smaller of ``xl-ans`` and
+``xl-zstd`` (so the ``xl-zstd`` bound holds).
 
 NOTE: measured on the cross-layer source of routereplay.testing (E=8, top-2, 32 layers,
 1K-token records), against the exact entropy rate: a model learned from 1 earlier record
@@ -63,6 +64,7 @@ MODEL_EXPANSION = 16        # a model payload's tables are at most this many tim
 JIT_ENV = "ROUTEREPLAY_XL_ANS_JIT"
 _JIT: list = []             # [module or None] once numba's import was tried
 _JIT_OFF, _JIT_ON = ("0", "false", "off", "no"), ("1", "true", "on", "yes")
+_JIT_WARNED: set = set()    # values of ROUTEREPLAY_XL_ANS_JIT already warned about
 
 
 def compiled() -> Any:
@@ -73,23 +75,31 @@ def compiled() -> Any:
     numba imports, else constriction with a RuntimeWarning, once per process (a trainer
     environment without vLLM often lacks numba: ``pip install 'routereplay[jit]'``);
     ``0``/``false``/``off``/``no``: constriction; ``1``/``true``/``on``/``yes``: the
-    kernels, or ConfigError where numba does not import.
+    kernels, or ConfigError where numba does not import; empty: auto; another value: auto,
+    with a RuntimeWarning once (a setting of speed never makes a stream unreadable).
 
     Raises:
-        ConfigError: another value, or the kernels required and not available."""
-    mode = os.environ.get(JIT_ENV, "auto").strip().lower()
+        ConfigError: the kernels required (``1``) and not available."""
+    mode = os.environ.get(JIT_ENV, "").strip().lower() or "auto"
     if mode in _JIT_OFF:
         return None
     if mode not in _JIT_ON and mode != "auto":
-        raise ConfigError(f"{JIT_ENV}={mode!r}: use auto (default), 1 or 0")
+        if mode not in _JIT_WARNED:
+            _JIT_WARNED.add(mode)
+            warnings.warn(f"routereplay: {JIT_ENV}={mode!r} is not auto, 1 or 0; using auto",
+                          RuntimeWarning, stacklevel=3)
+        mode = "auto"
     if not _JIT:
         why = None
         try:
             from routereplay.codec import xl_ans_jit
         except ModuleNotFoundError as exc:
-            if exc.name not in ("numba", "llvmlite"):
+            if exc.name == "numba":
+                xl_ans_jit, why = None, "numba is not installed (pip install 'routereplay[jit]')"
+            elif (exc.name or "").split(".")[0] in ("numba", "llvmlite"):
+                xl_ans_jit, why = None, f"numba's install is broken ({exc})"
+            else:
                 raise
-            xl_ans_jit, why = None, "numba is not installed (pip install 'routereplay[jit]')"
         except Exception as exc:  # noqa: BLE001 - a broken numba must not make data unreadable
             xl_ans_jit, why = None, f"numba's kernels cannot be built ({type(exc).__name__}: {exc})"
         _JIT.extend([xl_ans_jit, why, False])
@@ -230,9 +240,9 @@ class XlModel:
         shapes = table_shapes(self.pop.shape[0], e, k) if ok else []
         if not ok or any(not isinstance(a, np.ndarray) or a.shape != sh for a, sh in
                          zip((self.flags, self.pop, self.pair, self.joint), shapes)):
-            raise RecordError(f"xl-ans model tables of shapes "
-                              f"{[getattr(a, 'shape', None) for a in (self.flags, self.pop, self.pair, self.joint)]}"
-                              f" do not fit E={e}, top-{k} ({shapes or 'E or K out of range'})")
+            got = [getattr(a, "shape", None) for a in (self.flags, self.pop, self.pair, self.joint)]
+            raise RecordError(f"xl-ans model tables of shapes {got} do not fit E={e}, top-{k} "
+                              f"({shapes or 'E or K out of range'})")
         if coding:
             for a in (self.flags, self.pop, self.pair, self.joint):
                 if a.dtype != np.uint16 and a.size and (
@@ -312,10 +322,10 @@ class XlModel:
         NOTE: a count learned from n rows is only known to about +-sqrt(n) (sampling noise),
         so the digits below that step cost model bytes and buy no rate. Measured on the
         cross-layer source (E=8 top-2, 32 layers, 1K-token records): model frames 25-35 %
-        smaller at 1-16 records (a model from 1 record: 8.0 -> 5.8 KB; 20 % from 64, 15 % from 256) at the same rate (1.033x from 1
-        record, 1.018x from 4), so the writer can afford its first model frame earlier; whole
-        streams of 64 records 104.2 -> 103.9 % of the entropy rate, of 256 records 102.6 ->
-        102.3 %.
+        smaller when learned from 1-16 records (a model of 1 record: 8.0 -> 5.8 KB), 20 %
+        from 64, 15 % from 256, at the same rate (1.033x from 1 record, 1.018x from 4), so
+        the writer can afford its first model frame earlier; whole streams of 64 records
+        104.2 -> 103.9 % of the entropy rate, of 256 records 102.6 -> 102.4 %.
         """
         def q(a: np.ndarray) -> np.ndarray:
             r = np.rint((np.rint(2.0 * np.sqrt(a.astype(np.float64))) / 2.0) ** 2)
@@ -453,9 +463,11 @@ class _Tables:
                 np.ascontiguousarray(self.pop0),
                 none3 if self.pop1 is None else np.ascontiguousarray(self.pop1),
                 np.ascontiguousarray(self.succ),
-                np.ascontiguousarray(self.joint) if has_joint else np.zeros((0, 0, 0), np.int64),
+                np.ascontiguousarray(self.joint) if has_joint else
+                np.zeros((0, 0, 0), np.int64),
                 np.ascontiguousarray(self.joint0) if has_joint else none3,
-                none4 if not has_joint or self.joint1 is None else np.ascontiguousarray(self.joint1),
+                none4 if not has_joint or self.joint1 is None else
+                np.ascontiguousarray(self.joint1),
                 _binomials(e + 1, k))
         return a
 

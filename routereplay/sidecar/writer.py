@@ -243,7 +243,7 @@ class SidecarWriter:
         self.layer_group, self.column_order = layer_group, column_order
         if xl_ans_seed is not None:
             _check_seed(xl_ans_seed, codec, schema)     # NOTE: before dest is opened
-        self._own = True
+        self._owns_file = True
         self._fsspec_file = None
         if dest is None:
             self._f: BinaryIO = io.BytesIO()
@@ -254,7 +254,7 @@ class SidecarWriter:
             self._fsspec_file = fsspec.open(os.fspath(dest), "wb")
             self._f = self._fsspec_file.open()
         else:
-            self._f, self._own = dest, False
+            self._f, self._owns_file = dest, False
         self._index: list[tuple[str, int]] = []
         # xl-ans: the counts learned from the records written so far, and the model frame
         # in use (offset, model as readers parse it)
@@ -263,10 +263,10 @@ class SidecarWriter:
         self._model: tuple[int, xl_ans.XlModel] | None = None
         self._model_bytes = self._raw_bytes = self._models_written = 0
         self._next_model_rows = MODEL_FIRST_ROWS
-        # NOTE: a seeded writer also counts this stream's rows alone (``_own``): where the
+        # NOTE: a seeded writer also counts this stream's rows alone (_own_counts): where the
         # seed's routing differs from this stream's (another checkpoint, a changed policy),
         # a model of them alone can beat the seed's, whose weight would drown them
-        self._own: xl_ans.XlModel | None = None
+        self._own_counts: xl_ans.XlModel | None = None
         self._ids: set[str] = set()
         self._pos = 0
         self._closed = False
@@ -348,7 +348,7 @@ class SidecarWriter:
             if self._error is None:
                 raise                # else: the background error below says what went wrong
         finally:
-            if self._own and not isinstance(self._f, io.BytesIO):
+            if self._owns_file and not isinstance(self._f, io.BytesIO):
                 self._f.close()
                 if self._fsspec_file is not None:
                     self._fsspec_file.close()
@@ -439,7 +439,7 @@ class SidecarWriter:
             # much as SEED_ROWS rows of this stream, which then take over
             arrays = [a * SEED_ROWS // rows for a in arrays]
         self._learn = xl_ans.XlModel(seed.num_experts, seed.top_k, *arrays)
-        self._own = xl_ans.XlModel.empty(s.num_moe_layers, s.num_experts, s.top_k)
+        self._own_counts = xl_ans.XlModel.empty(s.num_moe_layers, s.num_experts, s.top_k)
         payload = self._learn.stored().to_bytes()
         least, _ = xl_ans.payload_limits(s.num_moe_layers, s.num_experts, s.top_k)
         if len(payload) < least:
@@ -469,8 +469,8 @@ class SidecarWriter:
             return self._maybe_model(record)
         finally:
             self._learn.count(ids)
-            if self._own is not None:
-                self._own.count(ids)
+            if self._own_counts is not None:
+                self._own_counts.count(ids)
 
     def _maybe_model(self, record: RoutingRecord) -> Any:
         """Write a model frame of the records before ``record`` if one is due and pays;
@@ -480,7 +480,7 @@ class SidecarWriter:
         writer also this stream's records alone. Rows, the frames' share of the ids and
         the schedule count this stream's own records (a seed frame is not charged)."""
         assert self._learn is not None
-        own = self._own if self._own is not None else self._learn
+        own = self._own_counts if self._own_counts is not None else self._learn
         rows = own.rows_counted()
         if rows < self._next_model_rows or self._models_written >= MAX_MODELS:
             return None
@@ -491,7 +491,8 @@ class SidecarWriter:
         # NOTE: the model frame goes at ``offset``, so the payload coded with it here is the
         # record's payload once the frame is written
         current = best = None
-        for counts in [self._learn] + ([self._own] if self._own is not None else []):
+        own_only = [] if self._own_counts is None else [self._own_counts]
+        for counts in [self._learn] + own_only:
             payload = counts.stored().to_bytes()
             frame = len(payload) + 24
             if self._model_bytes + frame > share * self._raw_bytes or len(payload) < least:
