@@ -135,8 +135,9 @@ class SidecarWriter:
             at most as much as 2^20 token-layer rows of the new stream (``SEED_ROWS``).
             The writer also learns this stream's records alone and writes their model
             where it beats the seed's (routing that changed since the seed): a seed from
-            other routing then costs about its frame (measured up to 6 %); from the same
-            run's previous step it saves 1-3 %.
+            other routing then costs about its frame (measured up to 6 %; a stream that
+            alternates kinds of routing lost 8 %, bounded by xl-zstd's size plus its model
+            frames); from the same run's previous step it saves 1-3 %.
         background: encode and write on a background thread (default). The queue holds
             at most ``max_queue`` records; :meth:`write` blocks when it is full.
         fsync: "close" (default) fsyncs local files on close; "frame" after every frame;
