@@ -94,18 +94,12 @@ SCHEMA_SMALL = RoutingSchema(num_hidden_layers=4, moe_layer_ids=(1, 2, 3), top_k
 
 
 def _load_xl_ans_kernels() -> None:
-    """Load xl-ans's numba kernels (import, and each kernel's code from numba's disk cache)
-    by coding one small section: a fixed cost per process (about 0.2 s of CPU and 100 MiB
-    of RSS), whatever the input, kept out of the measured read like the interpreter's
-    start-up. The constriction path (ROUTEREPLAY_XL_ANS_JIT=0) has nothing to load."""
+    """Load xl-ans's numba kernels (import, and each kernel's code from numba's disk cache:
+    xl_ans.warm_up): a fixed cost per process (about 0.2 s of CPU and 100 MiB of RSS),
+    whatever the input, kept out of the measured read like the interpreter's start-up. The
+    constriction path (ROUTEREPLAY_XL_ANS_JIT=0) has nothing to load."""
     from routereplay.codec import xl_ans
-    if xl_ans.compiled() is None:
-        return
-    m = xl_ans.XlModel.empty(2, 8, 2)
-    x = np.argsort(np.random.default_rng(0).random((500, 2, 8)), axis=-1)[..., :2].astype(np.uint8)
-    m.count(x)
-    model = xl_ans.XlModel.from_bytes(m.stored().to_bytes(), 2, 8, 2)
-    xl_ans.decode(xl_ans.encode(x, model, 0), x.shape, np.uint8, model, 0)
+    xl_ans.warm_up()
 
 
 def child(kind: str, path: str) -> None:

@@ -179,6 +179,23 @@ print(len([i for i in w if "numba is not installed" in str(i.message)]), words[0
                            ("maybe", 0, "1 "), ("", 0, "1 ")):
         p = run_py(["-c", code], timeout=120, env={**env, xl_ans.JIT_ENV: value})
         assert p.returncode == rc and say in (p.stdout + p.stderr), (value, p.stdout, p.stderr)
+    # =1 without numba: a writer of xl-ans refuses to start (not at its first record, on
+    # its thread); warm_up says which coder a process gets
+    start = """
+import sys
+sys.modules["numba"] = None
+from routereplay.codec import xl_ans
+from routereplay.schema import RoutingSchema
+from routereplay.sidecar import SidecarWriter
+print(xl_ans.warm_up() if xl_ans.JIT_ENV not in __import__("os").environ else "")
+SidecarWriter(None, RoutingSchema(4, (0, 1, 2, 3), 2, 8), codec="xl-ans")
+"""
+    p = run_py(["-c", start], timeout=120, env={**env, xl_ans.JIT_ENV: "1"})
+    assert p.returncode == 1 and "ConfigError: ROUTEREPLAY_XL_ANS_JIT=1: numba is not " \
+        "installed" in p.stderr, p.stderr
+    p = run_py(["-c", start], timeout=120, env=env)
+    assert p.returncode == 0 and p.stdout.split() == ["False"], (p.stdout, p.stderr)
+    assert xl_ans.warm_up() is True
 
 
 def test_compiled_frequencies_are_exactly_the_formats():
@@ -834,6 +851,36 @@ def test_a_seed_from_other_routing_costs_at_most_its_frame():
     assert other < xl_zstd and other < 1.06 * unseeded, (other, unseeded, xl_zstd)
     assert same < unseeded, (same, unseeded)
     # measured: other 133572, unseeded 128896, xl-zstd 143909, same 125416 (other before: 148.5K)
+
+
+def test_a_stream_stays_within_xl_zstd_plus_its_model_frames_on_long_records():
+    """Records over 64 KiB of ids coded with a model take its grid (8-layer groups); where
+    its sections fall back to xl-zstd, xl-zstd's own grid is smaller: the writer keeps the
+    record's smaller of the two (the docs review: a seed from cross-layer routing, then
+    independent 4K-token records, came out 3.9 % above xl-zstd plus the seed's frame)."""
+    from routereplay.testing import routing_trace
+    schema = RoutingSchema(32, tuple(range(32)), 2, 8)
+    src = _source(32, 8, 2)
+    rng = np.random.default_rng(1)
+    w = SidecarWriter(None, schema, codec="xl-ans", background=False)
+    for i in range(8):
+        w.write(RoutingRecord(f"a{i}", src.sample(rng, 1024)[0]))
+    w.close()
+    seed = w.learned_model()
+    recs = [routing_trace(rng, 4096, 32, 8, 2, 0.5, 1.0)[0] for _ in range(4)]
+    sizes, frames = {}, {}
+    for name, kw in (("xl-zstd", {}), ("xl-ans", {"xl_ans_seed": seed})):
+        w = SidecarWriter(None, schema, codec=name, background=False, **kw)
+        for i, x in enumerate(recs):
+            w.write(RoutingRecord(f"s{i}", x))
+        w.close()
+        data = w.getvalue()
+        r = SidecarReader(data)
+        assert all(np.array_equal(r.read(f"s{i}").expert_ids, x) for i, x in enumerate(recs))
+        r.scan()
+        sizes[name], frames[name] = len(data), sum(r.model_frames.values())
+    assert frames["xl-ans"] > 0
+    assert sizes["xl-ans"] <= sizes["xl-zstd"] + frames["xl-ans"] + 16, (sizes, frames)
 
 
 def test_convert_seed_from_counts_every_record_of_the_seed_streams(tmp_path):

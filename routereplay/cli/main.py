@@ -673,7 +673,7 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--codec", default=None, choices=CODECS,
                    help="routing codec (default xl-zstd, ctx-zstd with --format-version 2; "
                         "ctx-ans-sorted with --column-order sorted; xl-ans: smallest on routing "
-                        "whose layers depend on each other, E <= 64, 7-15 MB/s with numba; "
+                        "whose layers depend on each other, E <= 64, 8-17 MB/s with numba; "
                         "ctx-ans: small, slower)")
     c.add_argument("--column-order", default="engine", choices=["engine", "sorted"])
     c.add_argument("--layer-group", type=_positive_int, default=None,

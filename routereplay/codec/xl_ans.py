@@ -22,7 +22,7 @@ record's sections, which name it by its frame offset. Per section, layer by laye
 
 Models are static within a record (no adaptation). Two coders write the same words:
 numba kernels (routereplay.codec.xl_ans_jit, where numba imports: :func:`compiled`), one
-pass over the section, about 45 / 65 MB/s (encode / decode) at E=8 top-2; else
+pass over the section, about 36-46 / 65 MB/s (encode / decode) at E=8 top-2; else
 constriction, vectorized over a section's rows, 1 + K calls per layer, about 10 MB/s.
 ``xl-ans`` needs a model frame; the writer codes a stream's first records with
 ``xl-zstd`` while it learns, and keeps each section's smaller of ``xl-ans`` and
@@ -69,7 +69,7 @@ _JIT_WARNED: set = set()    # values of ROUTEREPLAY_XL_ANS_JIT already warned ab
 
 def compiled() -> Any:
     """routereplay.codec.xl_ans_jit (numba kernels, imported on first call), or None: then
-    this module codes with constriction (the same bytes, 4-6x slower).
+    this module codes with constriction (the same bytes, its section coder 3-7x slower).
 
     ``ROUTEREPLAY_XL_ANS_JIT`` (read at every call): unset or ``auto``: the kernels where
     numba imports, else constriction with a RuntimeWarning, once per process (a trainer
@@ -109,8 +109,29 @@ def compiled() -> Any:
         if not _JIT[2]:
             _JIT[2] = True
             warnings.warn(f"routereplay: {_JIT[1]}; xl-ans is coded with constriction (the same "
-                          f"bytes, 4-6x slower)", RuntimeWarning, stacklevel=3)
+                          f"bytes, 3-7x slower)", RuntimeWarning, stacklevel=3)
     return _JIT[0]
+
+
+def warm_up() -> bool:
+    """Compile the numba kernels (or load them from numba's disk cache) by coding one small
+    section, so that a process's first xl-ans record does not wait for them (2-10 s the
+    first time on a machine, 0.2-2 s from the cache); e.g. once while building an image.
+
+    Returns:
+        True where the numba kernels code xl-ans, False where constriction does.
+
+    Raises:
+        ConfigError: as :func:`compiled`."""
+    if compiled() is None:
+        return False
+    x = np.argsort(np.random.default_rng(0).random((500, 2, 8)), axis=-1)[..., :2]
+    x = x.astype(np.uint8)
+    m = XlModel.empty(2, 8, 2)
+    m.count(x)
+    model = XlModel.from_bytes(m.stored().to_bytes(), 2, 8, 2)
+    decode(encode(x, model, 0), x.shape, np.uint8, model, 0)
+    return True
 
 
 def joint_sets(num_experts: int, top_k: int) -> int:

@@ -79,8 +79,9 @@ def writer_codec(codec: str | None, column_order: str = "engine",
 
     Raises:
         ConfigError (a ValueError): unknown codec or column order, ``ctx-ans-sorted``
-            for engine order, or ``xl-ans`` for ``format_version=2`` or (given
-            ``schema``) for more than 64 experts.
+            for engine order, or ``xl-ans`` for ``format_version=2``, (given ``schema``)
+            for more than 64 experts, or with ``ROUTEREPLAY_XL_ANS_JIT=1`` where numba does
+            not import.
     """
     if column_order not in COLUMN_ORDERS:
         raise ConfigError(f"column_order must be one of {COLUMN_ORDERS}")
@@ -100,6 +101,8 @@ def writer_codec(codec: str | None, column_order: str = "engine",
             and not 2 <= schema.num_experts <= xl_ans.MAX_EXPERTS:
         raise ConfigError(f"codec 'xl-ans' models 2 to {xl_ans.MAX_EXPERTS} experts, the "
                           f"schema has {schema.num_experts}: use xl-zstd")
+    if codec == "xl-ans":
+        xl_ans.compiled()       # NOTE: ROUTEREPLAY_XL_ANS_JIT=1 without numba: refused here
     return codec
 
 
@@ -135,9 +138,9 @@ class SidecarWriter:
             at most as much as 2^20 token-layer rows of the new stream (``SEED_ROWS``).
             The writer also learns this stream's records alone and writes their model
             where it beats the seed's (routing that changed since the seed): a seed from
-            other routing then costs about its frame (measured up to 6 %; a stream that
-            alternates kinds of routing lost 8 %, bounded by xl-zstd's size plus its model
-            frames); from the same run's previous step it saves 1-3 %.
+            other routing then costs about its frame (measured 3.6 % above no seed; a
+            stream that alternates kinds of routing lost 8 %), never more than xl-zstd's
+            size plus the model frames; from the same run's previous step it saves 1-3 %.
         background: encode and write on a background thread (default). The queue holds
             at most ``max_queue`` records; :meth:`write` blocks when it is full.
         fsync: "close" (default) fsyncs local files on close; "frame" after every frame;
@@ -148,7 +151,7 @@ class SidecarWriter:
             10-50x slower. ``xl-ans`` (E <= 64, version 3) learns a cross-layer model from
             the records written and writes it into the stream as a model frame (kind 3)
             when it pays for itself; later sections use it where smaller than ``xl-zstd``
-            (13-15 % smaller streams on routing whose layers depend on each other; a
+            (7-14 % smaller streams on routing whose layers depend on each other; a
             writer at about 15 MB/s with numba, 5-6 without, E=8 top-2; grid layer group
             8 by default). docs/FORMAT.md "xl-ans".
         column_order: "engine" (default: top-k columns exactly as the engine returned
@@ -408,6 +411,16 @@ class SidecarWriter:
         payload = self._learn_from(record) if self._learn is not None else None
         if payload is None:
             payload = self._payload(record, self._model)
+        if self._model is not None and self.layer_group != self._plain_group and \
+                record.expert_ids.nbytes > self.one_section_bytes:
+            # NOTE: a record coded with a model takes the model's grid (layer groups of 8);
+            # where its sections fall back to xl-zstd there, xl-zstd's own grid (one layer
+            # a section) can be smaller (+4 % measured on independent 4K-token routing
+            # under a seed from other routing): the record's smaller of the two is kept,
+            # so a stream stays at most xl-zstd's plus its model frames
+            plain = self._payload(record, None)
+            if len(plain) < len(payload):
+                payload = plain
         offset = self._pos
         self._emit(encode_frame(KIND_RECORD, payload))
         self._index.append((record.sample_id, offset))
