@@ -98,13 +98,15 @@ def encode(ids: np.ndarray, codec: str = DEFAULT_CODEC, num_experts: int | None 
 
 
 def encode_grid(ids: np.ndarray, codec: str, num_experts: int | None, token_block: int,
-                layer_group: int) -> list[bytes]:
+                layer_group: int, check: str = "auto") -> list[bytes]:
     """The sections of a version-3 grid (docs/FORMAT.md "Sections"): ids [T, L, top_k]
     in layer groups of ``layer_group`` x token blocks of ``token_block`` rows, group-major,
     each exactly ``encode(ids[rows, layers], codec, num_experts)`` (not ``xl-ans``, whose
     sections need their stream's model: routereplay.sidecar.payload). ``ctx-zstd`` and
     ``xl-zstd`` do the per-row work once over the record (their per-section fixed cost is
-    what limits a grid's encode speed).
+    what limits a grid's encode speed). ``check``: ``xl-zstd``'s zstd-19 pass
+    (routereplay.codec.xl_zstd.encode_grid: ``"auto"``, ``"always"`` or ``"never"``);
+    other codecs ignore it.
 
     Raises:
         as :func:`encode`.
@@ -115,7 +117,7 @@ def encode_grid(ids: np.ndarray, codec: str, num_experts: int | None, token_bloc
             and ids.dtype in (np.uint8, np.uint16) and num_experts is not None:
         if codec == "ctx-zstd":
             return ctx_zstd.encode_grid(ids, num_experts, token_block, layer_group)
-        return xl_zstd.encode_grid(ids, num_experts, token_block, layer_group)
+        return xl_zstd.encode_grid(ids, num_experts, token_block, layer_group, check=check)
     return [encode(np.ascontiguousarray(ids[r0:r0 + token_block, l0:l0 + layer_group]), codec,
                    num_experts)
             for l0 in range(0, nl, layer_group) for r0 in range(0, max(t, 1), token_block)]

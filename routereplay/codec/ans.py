@@ -77,6 +77,17 @@ def marker_model():
     return _MARKER_MODEL
 
 
+def ends_early(where: str) -> SidecarError:
+    """The error of a decoder that runs dry before the symbols its metadata promises."""
+    return SidecarError(f"ANS section ends early, at {where}")
+
+
+def bad_end() -> SidecarError:
+    """The error of a section whose end marker is missing or that has words left over."""
+    return SidecarError("ANS section does not end where its metadata says "
+                        "(end marker missing or words left over)")
+
+
 def check_words(data: bytes) -> None:
     """Raise SidecarError unless ``data`` is a whole, non-empty number of u32 LE words whose
     last word is nonzero (FORMAT.md "ANS decoder")."""
@@ -105,7 +116,7 @@ class Decoder:
         if count == 0:
             return np.zeros(0, dtype=np.int32)
         if self._empty():
-            raise SidecarError(f"ANS section ends early, at {where}")
+            raise ends_early(where)
         return self._coder.decode(model(weights), count)
 
     def decode_params(self, params: np.ndarray, where: str) -> np.ndarray:
@@ -113,7 +124,7 @@ class Decoder:
         if params.shape[0] == 0:
             return np.zeros(0, dtype=np.int32)
         if self._empty():
-            raise SidecarError(f"ANS section ends early, at {where}")
+            raise ends_early(where)
         return self._coder.decode(family(), contiguous(params))
 
     def _empty(self) -> bool:
@@ -125,5 +136,4 @@ class Decoder:
         """Check the end marker and that no word is left."""
         if self._empty() or int(self._coder.decode(marker_model(), 1)[0]) != END_MARKER \
                 or not self._empty():
-            raise SidecarError("ANS section does not end where its metadata says "
-                               "(end marker missing or words left over)")
+            raise bad_end()

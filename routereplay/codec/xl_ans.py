@@ -59,6 +59,8 @@ BYTES_PER_CALL = 32         # an xl-ans section holds at least this many bytes p
 WORK_PER_BYTE = 128         # coder work (parameter entries, :func:`work`) per section byte
 CHUNK_ROWS = 4096           # rows whose coder parameters are built at once
 MODEL_EXPANSION = 16        # a model payload's tables are at most this many times its bytes
+# how a section is refused (routereplay.codec.xl_ans_jit's decode kernel returns the code)
+OK, ENDS_EARLY, OVER_BUDGET, REPEATED_ID, FRESH_REPEATS, BAD_END = range(6)
 
 
 JIT_ENV = "ROUTEREPLAY_XL_ANS_JIT"
@@ -678,8 +680,7 @@ def decode(data: bytes, shape: tuple[int, int, int], dtype: np.dtype, model: XlM
         fresh = np.nonzero(~rep)[0]
         spent += work(t, fresh.size, k, e)
         if spent > budget:
-            raise SidecarError(f"xl-ans section of {len(data)} bytes needs more coder work "
-                               f"than the reader's limit of {WORK_PER_BYTE} per byte (at {where})")
+            raise _section_error(OVER_BUDGET, len(data), where)
         ctx = _layer_context(tab, out[fresh, lp - 1] if lp else None)
         for j in range(k):
             for sl in _chunks(fresh.size):
@@ -687,7 +688,7 @@ def decode(data: bytes, shape: tuple[int, int, int], dtype: np.dtype, model: XlM
                 p = _column_params(tab, lyr, None if ctx is None else ctx[sl], out[f, lp], j)
                 x = dec.decode_params(p, where)
                 if j and (out[f, lp, :j] == x[:, None]).any():
-                    raise SidecarError(f"xl-ans section repeats an expert in a row at {where}")
+                    raise _section_error(REPEATED_ID, len(data), where)
                 out[f, lp, j] = x
         # NOTE: a repeated row copies the last fresh row before it (row 0 is always fresh)
         src = np.maximum.accumulate(np.where(rep, 0, np.arange(t)))
@@ -695,8 +696,7 @@ def decode(data: bytes, shape: tuple[int, int, int], dtype: np.dtype, model: XlM
         if fresh.size > 1:
             f = fresh[fresh > 0]
             if (out[f, lp] == out[f - 1, lp]).all(axis=1).any():
-                raise SidecarError(f"xl-ans section codes a row as fresh that repeats the row "
-                                   f"before it at {where} (corrupt, or decoding past its data)")
+                raise _section_error(FRESH_REPEATS, len(data), where)
         rep_up = rep
     dec.finish()
     return out.astype(dtype)
@@ -713,18 +713,23 @@ def _decode_compiled(jit: Any, data: bytes, shape: tuple[int, int, int], dtype: 
         np.frombuffer(data, dtype="<u4").astype(np.uint32), t, g, k, model.num_experts, l0,
         *_tables(model).kernel_args(),
         WORK_PER_BYTE * len(data), out)
-    where = f"MoE layer {lyr}"
-    if code == jit.ENDS_EARLY:
-        raise SidecarError(f"ANS section ends early, at {where}")
-    if code == jit.OVER_BUDGET:
-        raise SidecarError(f"xl-ans section of {len(data)} bytes needs more coder work than "
-                           f"the reader's limit of {WORK_PER_BYTE} per byte (at {where})")
-    if code == jit.REPEATED_ID:
-        raise SidecarError(f"xl-ans section repeats an expert in a row at {where}")
-    if code == jit.FRESH_REPEATS:
-        raise SidecarError(f"xl-ans section codes a row as fresh that repeats the row before "
-                           f"it at {where} (corrupt, or decoding past its data)")
-    if code == jit.BAD_END:
-        raise SidecarError("ANS section does not end where its metadata says (end marker "
-                           "missing or words left over)")
+    if code != OK:
+        raise _section_error(code, len(data), f"MoE layer {lyr}")
     return out.astype(dtype)
+
+
+def _section_error(code: int, nbytes: int, where: str) -> SidecarError:
+    """The error both coders raise for a section of ``nbytes`` bytes of words refused with
+    ``code`` (one of ENDS_EARLY, OVER_BUDGET, REPEATED_ID, FRESH_REPEATS, BAD_END) at
+    ``where``."""
+    if code == ENDS_EARLY:
+        return ans.ends_early(where)
+    if code == OVER_BUDGET:
+        return SidecarError(f"xl-ans section of {nbytes} bytes needs more coder work than the "
+                            f"reader's limit of {WORK_PER_BYTE} per byte (at {where})")
+    if code == REPEATED_ID:
+        return SidecarError(f"xl-ans section repeats an expert in a row at {where}")
+    if code == FRESH_REPEATS:
+        return SidecarError(f"xl-ans section codes a row as fresh that repeats the row before "
+                            f"it at {where} (corrupt, or decoding past its data)")
+    return ans.bad_end()

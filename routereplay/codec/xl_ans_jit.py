@@ -25,14 +25,13 @@ from __future__ import annotations
 import numba
 import numpy as np
 
-PRECISION = 24
+from routereplay.codec.ans import END_MARKER, PRECISION
+# NOTE: routereplay.codec.xl_ans imports this module on first use, once it is loaded itself
+from routereplay.codec.xl_ans import (BAD_END, CHUNK_ROWS, ENDS_EARLY, FRESH_REPEATS, OK,
+                                      OVER_BUDGET, REPEATED_ID)
+
 _MASK = (1 << PRECISION) - 1
 _TOTAL = 1 << PRECISION
-END_MARKER = 0xA5
-CHUNK_ROWS = 4096           # rows whose frequencies exist at once (as xl_ans.CHUNK_ROWS)
-
-# error codes of the decode kernel (routereplay.codec.xl_ans turns them into SidecarError)
-OK, ENDS_EARLY, OVER_BUDGET, REPEATED_ID, FRESH_REPEATS, BAD_END = range(6)
 
 
 def _njit(fn):

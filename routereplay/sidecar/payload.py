@@ -431,31 +431,24 @@ def grid_sections(ids: np.ndarray, codec: str, num_experts: int,
     # xl_zstd.CHECK_BYTES), held the writer to 9 MB/s there. Row slices are views: no copy.
     blocks = -(-t // b_rows)
     head_rows = max(1, blocks // TRIAL_SHARE) * b_rows
-    head = _coded(ids[:head_rows], codec, num_experts, b_rows, g_layers, check="never")
+    head = _codec.encode_grid(ids[:head_rows], codec, num_experts, b_rows, g_layers,
+                              check="never")
     mean = sum(map(len, head)) / len(head)
     if mean < min_section_bytes:
         m = 1 << int(np.ceil(np.log2(min_section_bytes / max(mean, 1.0))))
         b_rows = min(b_rows * m, t)
-        return True, b_rows, g_layers, _coded(ids, codec, num_experts, b_rows, g_layers)
+        return True, b_rows, g_layers, _codec.encode_grid(ids, codec, num_experts, b_rows,
+                                                          g_layers)
     if codec == "xl-zstd":
         head = _codec.xl_zstd.check_grid(ids[:head_rows], head, b_rows, g_layers)
     if head_rows >= t:
         return True, b_rows, g_layers, head
-    tail = _coded(ids[head_rows:], codec, num_experts, b_rows, g_layers)
+    tail = _codec.encode_grid(ids[head_rows:], codec, num_experts, b_rows, g_layers)
     hb, tb = head_rows // b_rows, blocks - head_rows // b_rows       # blocks a group
     blobs = []
     for gi in range(len(head) // hb):                   # group-major: a group's blocks in order
         blobs += head[gi * hb:(gi + 1) * hb] + tail[gi * tb:(gi + 1) * tb]
     return True, b_rows, g_layers, blobs
-
-
-def _coded(ids: np.ndarray, codec: str, num_experts: int, b_rows: int, g_layers: int,
-           check: str = "auto") -> list[bytes]:
-    """routereplay.codec.encode_grid; ``check``: xl-zstd's zstd-19 pass
-    (routereplay.codec.xl_zstd.encode_grid), ignored by other codecs."""
-    if codec == "xl-zstd":
-        return _codec.xl_zstd.encode_grid(ids, num_experts, b_rows, g_layers, check=check)
-    return _codec.encode_grid(ids, codec, num_experts, b_rows, g_layers)
 
 
 def _encode_routing(part: np.ndarray, codec: str, num_experts: int) -> tuple[str, bytes, int]:
