@@ -108,7 +108,8 @@ def test_compiled_and_constriction_coders_write_the_same_words(monkeypatch, e, k
     """The numba kernels (routereplay.codec.xl_ans_jit) and the constriction path write the
     same bytes for every section and read each other's, on every model shape: joint tables
     with and without the column-1 table ((8, 2) / (12, 2)), K = 1 and K = 3 (computed
-    columns), no joint table (E=16 top-4, E=64 top-6); 0-600 rows, any first layer."""
+    columns), no joint table (E=16 top-4, E=64 top-6); 0-600 rows, any first layer, and
+    7000 rows (more fresh rows in a layer than a block of CHUNK_ROWS)."""
     src = _source(nl, e, k)
     rng = np.random.default_rng(e * 10 + k)
     recs = [src.sample(rng, t)[0] for t in (1, 2, 300)]
@@ -124,9 +125,14 @@ def test_compiled_and_constriction_coders_write_the_same_words(monkeypatch, e, k
     assert (tab.joint is not None) == (xl_ans.joint_sets(e, k) > 0)
     if (e, k) == (12, 2):
         assert tab.joint1 is None
-    for t in (0, 1, 2, 37, 600):
+    for t in (0, 1, 2, 37, 600, 7000):
         x = src.sample(rng, t)[0] if t else np.zeros((0, nl, k), np.uint8)
-        for l0 in range(nl):
+        if t == 7000:          # layers of more fresh rows than a block (kernels walk blocks)
+            for r in range(1, t):
+                same = (x[r] == x[r - 1]).all(axis=1)
+                x[r, same] = (x[r, same] + 1) % e          # still K distinct ids, now fresh
+            assert (x[1:] != x[:-1]).any(axis=2).all()
+        for l0 in range(nl) if t < 7000 else (0,):
             xs = np.ascontiguousarray(x[:, l0:])
             a, b = (_on_path(monkeypatch, p, lambda: xl_ans.encode(xs, model, l0))
                     for p in ("compiled", "constriction"))

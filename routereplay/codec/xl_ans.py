@@ -439,15 +439,33 @@ def _params(weights: np.ndarray) -> np.ndarray:
     return (ans.frequencies(weights) - 1).astype(np.int32)
 
 
+def _cumulative(weights: np.ndarray) -> np.ndarray:
+    """Integer weights int64 [..., E] -> cumulative frequencies int32 [..., E + 1]: 0, then
+    the running sums of ``ans.frequencies(weights)`` (the last is 2^24). Symbol x's interval
+    is ``[cum[x], cum[x + 1])``."""
+    f = ans.frequencies(weights)
+    out = np.zeros(f.shape[:-1] + (f.shape[-1] + 1,), dtype=np.int32)
+    np.cumsum(f, axis=-1, out=out[..., 1:])
+    return out
+
+
+def _cum_params(cum: np.ndarray) -> np.ndarray:
+    """Cumulative frequencies int32 [..., E + 1] -> constriction parameters float64
+    [..., E] (frequency - 1)."""
+    return (np.diff(cum, axis=-1) - 1).astype(np.float64)
+
+
 class _Tables:
     """What a model's weights need, computed once per model (they depend on the context
-    only): per-layer successor rows, and the coder parameters of every context whose
-    count is small: repeat flags [L, 3, 2]; a section's first layer, columns 0 and 1
-    [L, E] / [L, E, E]; with a joint table, columns 0 and 1 of each expert set [L, C, E] /
-    [L, C, E, E] (column 1 given column 0's id). Other columns are computed per row.
+    only): per-layer successor rows, and the cumulative frequencies of every context whose
+    count is small: repeat flags [L, 3, 2] (as parameters); a section's first layer,
+    columns 0 and 1 [L, E + 1] / [L, E, E + 1]; with a joint table, columns 0 and 1 of each
+    expert set [L, C, E + 1] / [L, C, E, E + 1] (column 1 given column 0's id). Other
+    columns are computed per row.
 
     NOTE: building the frequencies (ans.frequencies) of every row's weights took about
-    half of the decode time; contexts repeat across rows and records.
+    half of the decode time; contexts repeat across rows and records. Cumulative tables
+    let the compiled decoder find a symbol with E - 1 compares and no per-row copy.
     """
 
     def __init__(self, m: XlModel):
@@ -460,37 +478,35 @@ class _Tables:
         self.succ = (((pr + 1) * SCALE) // (pr.sum(axis=2, keepdims=True) + e)  # [L, E, E]
                      ).astype(np.int32)                  # NOTE: <= SCALE; K of them fit int32
         self.pop = m.pop.astype(np.int64)                                       # [L, E]
-        self.pop0 = _params(self.pop + 1)
-        self.pop1 = _params(_exclude_one(self.pop)) if k > 1 else None        # [L, E, E]
+        self.pop0 = _cumulative(self.pop + 1)                                   # [L, E + 1]
+        self.pop1 = _cumulative(_exclude_one(self.pop)) if k > 1 else None   # [L, E, E + 1]
         self.joint = None
         if c:
             members = _set_members(e, k)                                        # [C, K]
             s = self.succ[:, members].sum(axis=2, dtype=np.int64)               # [L, C, E]
             self.joint = m.joint.astype(np.int64) * SCALE + SMOOTH * s          # [L, C, E]
-            self.joint0 = _params(self.joint + 1)
+            self.joint0 = _cumulative(self.joint + 1)                           # [L, C, E + 1]
             self.joint1 = None
-            if k > 1 and 4 * nl * c * e * e <= TABLES_MEMORY * table_bytes(nl, e, k):
-                self.joint1 = _params(_exclude_one(self.joint))                 # [L, C, E, E]
-
+            if k > 1 and 4 * nl * c * e * (e + 1) <= TABLES_MEMORY * table_bytes(nl, e, k):
+                self.joint1 = _cumulative(_exclude_one(self.joint))         # [L, C, E, E + 1]
 
     def kernel_args(self) -> tuple:
-        """The tables as routereplay.codec.xl_ans_jit's kernels take them (absent ones as
-        empty arrays of the same dtype and rank), computed once per model."""
+        """The tables as routereplay.codec.xl_ans_jit's kernels take them (the cumulative
+        tables flattened, absent ones as empty arrays of the same dtype and rank),
+        computed once per model."""
         a = self.__dict__.get("_kernel_args")
         if a is None:
             e, k = self.pop.shape[1], self.top_k
-            none3, none4 = np.zeros((0, 0, 0), np.int32), np.zeros((0, 0, 0, 0), np.int32)
+            none1 = np.zeros(0, np.int32)
             has_joint = self.joint is not None
             a = self._kernel_args = (
                 np.ascontiguousarray(self.flags), np.ascontiguousarray(self.pop),
-                np.ascontiguousarray(self.pop0),
-                none3 if self.pop1 is None else np.ascontiguousarray(self.pop1),
+                self.pop0.ravel(), none1 if self.pop1 is None else self.pop1.ravel(),
                 np.ascontiguousarray(self.succ),
                 np.ascontiguousarray(self.joint) if has_joint else
                 np.zeros((0, 0, 0), np.int64),
-                np.ascontiguousarray(self.joint0) if has_joint else none3,
-                none4 if not has_joint or self.joint1 is None else
-                np.ascontiguousarray(self.joint1),
+                self.joint0.ravel() if has_joint else none1,
+                none1 if not has_joint or self.joint1 is None else self.joint1.ravel(),
                 _binomials(e + 1, k))
         return a
 
@@ -548,10 +564,10 @@ def _column_params(tab: _Tables, lyr: int, ctx: np.ndarray | None, prev: np.ndar
         base, p0 = tab.joint[lyr][ctx], tab.joint0[lyr][ctx]
         p1 = None if tab.joint1 is None else tab.joint1[lyr][ctx]
     if j == 0 and p0 is not None:
-        return np.ascontiguousarray(np.broadcast_to(p0, (n, p0.shape[-1])), dtype=np.float64)
+        return np.ascontiguousarray(np.broadcast_to(_cum_params(p0), (n, p0.shape[-1] - 1)))
     if j == 1 and p1 is not None:
         x0 = prev[:, 0].astype(np.int64)
-        return np.ascontiguousarray(p1[x0] if p1.ndim == 2 else p1[rows, x0], dtype=np.float64)
+        return _cum_params(p1[x0] if p1.ndim == 2 else p1[rows, x0])
     taken = np.zeros((n, base.shape[-1]), dtype=bool)
     if j:
         taken[rows[:, None], prev[:, :j]] = True          # NOTE: one call, whatever j
@@ -575,9 +591,13 @@ def section_work(ids: np.ndarray, num_experts: int) -> int:
     t, g, k = ids.shape
     if t == 0:
         return 0
-    fresh = np.ones((t, g), dtype=bool)
-    fresh[1:] = (ids[1:] != ids[:-1]).any(axis=2)
-    return sum(work(t, int(fresh[:, lp].sum()), k, num_experts) for lp in range(g))
+    # NOTE: rows differing in any column, column by column (an any() along the short last
+    # axis took a tenth of a writer's time), and the fresh rows of all layers summed at once
+    differs = ids[1:, :, 0] != ids[:-1, :, 0]
+    for j in range(1, k):
+        differs |= ids[1:, :, j] != ids[:-1, :, j]
+    fresh = g + int(np.count_nonzero(differs))        # row 0 of each layer is fresh
+    return g * 2 * max(t - 1, 0) + fresh * k * num_experts
 
 
 def _plan(ids: np.ndarray, model: XlModel, l0: int):

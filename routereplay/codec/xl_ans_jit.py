@@ -73,60 +73,84 @@ def _freqs(u, n, f):
 
 
 @numba.njit(nogil=True, inline="always")
-def _set_rank(ids, row, lyr, k, binom, sk):
-    """The set index c(u) of u = ids[row, lyr] (K distinct ids): sum_i binom(s_i, i + 1),
-    s = u sorted into the scratch sk int64 [K] (insertion sort: K is small). Inlined into
-    its callers (a call passing arrays costs reference counting)."""
-    for m in range(k):
-        v = np.int64(ids[row, lyr, m])
-        p = m - 1
-        while p >= 0 and sk[p] > v:
-            sk[p + 1] = sk[p]
-            p -= 1
-        sk[p + 1] = v
+def _set_rank(ids, row, lyr, k, binom):
+    """The set index c(u) of u = ids[row, lyr] (K distinct ids): sum_i binom(s_i, i + 1)
+    with s = u sorted, i.e. each id u_m at its rank among the row's ids (the number of ids
+    below it): no sort and no stores. Inlined into its callers (a call passing arrays costs
+    reference counting)."""
     c = 0
     for m in range(k):
-        c += binom[sk[m], m + 1]
+        v = np.int64(ids[row, lyr, m])
+        rank = 0
+        for mm in range(k):
+            rank += np.int64(ids[row, lyr, mm]) < v
+        c += binom[v, rank + 1]
     return c
 
 
+# the source of a column's frequencies (see :func:`_column_mode`)
+_POP0, _POP1, _JOINT0, _JOINT1, _COMPUTED = 0, 1, 2, 3, 4
+
+
+@numba.njit(nogil=True, inline="always")
+def _column_mode(lp, j, cpop1, joint, cjoint1):
+    """Where the frequencies of column j of section layer lp come from: a cumulative table
+    of routereplay.codec.xl_ans._Tables (_POP0 / _POP1: a section's first layer, columns
+    0 / 1; _JOINT0 / _JOINT1: the expert set one layer up, columns 0 / 1), or _COMPUTED per
+    row from the weights (:func:`_column_freqs`)."""
+    if lp == 0:
+        if j == 0:
+            return _POP0
+        if j == 1 and cpop1.shape[0]:
+            return _POP1
+    elif joint.shape[0]:
+        if j == 0:
+            return _JOINT0
+        if j == 1 and cjoint1.shape[0]:
+            return _JOINT1
+    return _COMPUTED
+
+
+@numba.njit(nogil=True, inline="always")
+def _table_bases(mode, i0, i1, fresh, lp, lyr, e, nc, out, crank, base):
+    """base[i - i0] = the offset of fresh row ``fresh[i]``'s cumulative frequencies (E + 1
+    entries) in its column's table (``mode``, :func:`_column_mode`, not _COMPUTED),
+    i0 <= i < i1 (``crank`` the fresh rows' expert sets' ranks one layer up, ``out`` their
+    ids so far)."""
+    ne = e + 1
+    if mode == _POP0:
+        for i in range(i0, i1):
+            base[i - i0] = lyr * ne
+    elif mode == _POP1:
+        for i in range(i0, i1):
+            base[i - i0] = (lyr * e + np.int64(out[fresh[i], lp, 0])) * ne
+    elif mode == _JOINT0:
+        for i in range(i0, i1):
+            base[i - i0] = (lyr * nc + crank[i]) * ne
+    else:
+        for i in range(i0, i1):
+            base[i - i0] = ((lyr * nc + crank[i]) * e + np.int64(out[fresh[i], lp, 0])) * ne
+
+
 @_njit
-def _column_freqs(ids, fresh, i0, i1, lp, lyr, j, k, e, pop, pop0, pop1, succ, joint, joint0,
-                  joint1, binom, u, sk, out):
+def _column_freqs(ids, fresh, i0, i1, lp, lyr, j, k, e, pop, succ, joint, crank, u, out):
     """Frequencies out int64 [i1 - i0, E] of column j of the fresh rows ``fresh[i0:i1]`` of
     section layer ``lp`` (MoE layer ``lyr``) of ids [T, G, K] (their columns < j known, and
-    at lp >= 1 their ids one layer up): a precomputed table where there is one (its
-    parameters = frequency - 1), else from the weights of FORMAT.md "xl-ans" step 2.
-    u int64 [E] and sk int64 [K]: scratch.
+    at lp >= 1 their ids one layer up, ``crank`` their sets' ranks), from the weights of
+    FORMAT.md "xl-ans" step 2, for the columns without a table (:func:`_column_mode`).
+    u int64 [E]: scratch.
 
     NOTE: one call per block of rows, shared by both kernels: a call per symbol passing
-    these arrays cost more than the symbol's own work (reference counting)."""
+    these arrays cost more than the symbol's own work (reference counting). Frequencies,
+    not cumulative ones: the coders sum them as they search (one pass fewer, and at E=16
+    to 64 the successor rows summed again per column, from L1, beat keeping the sums)."""
     for i in range(i0, i1):
         row = fresh[i]
-        o = i - i0
         if lp == 0:
-            if j == 0:
-                for x in range(e):
-                    out[o, x] = pop0[lyr, x] + 1
-                continue
-            if j == 1 and pop1.shape[0]:
-                x0 = ids[row, lp, 0]
-                for x in range(e):
-                    out[o, x] = pop1[lyr, x0, x] + 1
-                continue
             for x in range(e):
                 u[x] = pop[lyr, x] + 1
         elif joint.shape[0]:
-            c = _set_rank(ids, row, lp - 1, k, binom, sk)      # the set one layer up
-            if j == 0:
-                for x in range(e):
-                    out[o, x] = joint0[lyr, c, x] + 1
-                continue
-            if j == 1 and joint1.shape[0]:
-                x0 = ids[row, lp, 0]
-                for x in range(e):
-                    out[o, x] = joint1[lyr, c, x0, x] + 1
-                continue
+            c = crank[i]                                        # the set one layer up
             for x in range(e):
                 u[x] = joint[lyr, c, x] + 1
         else:
@@ -138,18 +162,89 @@ def _column_freqs(ids, fresh, i0, i1, lp, lyr, j, k, e, pop, pop0, pop1, succ, j
                     u[x] += succ[lyr, um, x]
         for m in range(j):
             u[ids[row, lp, m]] = 1
-        _freqs(u, e, out[o])
+        _freqs(u, e, out[i - i0])
+
+
+@numba.njit(nogil=True, inline="always")
+def _set_ranks(ids, fresh, n, lp, k, binom, crank):
+    """crank[i] = the expert set's rank one layer up (lp - 1) of fresh row ``fresh[i]``,
+    for i < n."""
+    for i in range(n):
+        crank[i] = _set_rank(ids, fresh[i], lp - 1, k, binom)
 
 
 @_njit
-def decode_section(words, t, g, k, e, l0, flags, pop, pop0, pop1, succ, joint, joint0,
-                   joint1, binom, budget, out):
+def _decode_column(words, state, r, tbl, base, fresh, i0, i1, lp, j, e, out):
+    """Decode column j of the fresh rows ``fresh[i0:i1]`` of section layer lp into out
+    [T, G, K], row i's cumulative frequencies at ``tbl[base[i - i0]:][:E + 1]``, from the
+    decoder (``state``, ``r`` words left of ``words``). Returns (state, r, 1 where a row
+    repeats an expert else 0).
+
+    NOTE: a function of its own, so the loop sees one table array (one per column pass)."""
+    lo = np.uint64(1) << np.uint64(32)
+    mask = np.uint64(_MASK)
+    sh = np.uint64(PRECISION)
+    for i in range(i0, i1):
+        row = fresh[i]
+        b = base[i - i0]
+        qi = np.int64(state & mask)
+        # s: the symbol whose interval holds q (a search without early exit: conditional
+        # moves, no mispredicted branches)
+        s = 0
+        for x in range(1, e):
+            if qi >= tbl[b + x]:
+                s = x
+        c0 = np.int64(tbl[b + s])
+        state = (state >> sh) * np.uint64(np.int64(tbl[b + s + 1]) - c0) + np.uint64(qi - c0)
+        if state < lo and r > 0:
+            state = (state << np.uint64(32)) | np.uint64(words[r - 1])
+            r -= 1
+        for jj in range(j):
+            if out[row, lp, jj] == s:
+                return state, r, 1
+        out[row, lp, j] = s
+    return state, r, 0
+
+
+@_njit
+def _decode_column_freqs(words, state, r, fb, fresh, i0, i1, lp, j, e, out):
+    """:func:`_decode_column` with row i's frequencies fb int64 [i1 - i0, E]
+    (:func:`_column_freqs`), summed as the search goes."""
+    lo = np.uint64(1) << np.uint64(32)
+    mask = np.uint64(_MASK)
+    sh = np.uint64(PRECISION)
+    for i in range(i0, i1):
+        row = fresh[i]
+        qi = np.int64(state & mask)
+        acc = 0
+        s = 0
+        cs = 0
+        for x in range(e - 1):
+            acc += fb[i - i0, x]
+            if qi >= acc:
+                s = x + 1
+                cs = acc
+        state = (state >> sh) * np.uint64(fb[i - i0, s]) + np.uint64(qi - cs)
+        if state < lo and r > 0:
+            state = (state << np.uint64(32)) | np.uint64(words[r - 1])
+            r -= 1
+        for jj in range(j):
+            if out[row, lp, jj] == s:
+                return state, r, 1
+        out[row, lp, j] = s
+    return state, r, 0
+
+
+@_njit
+def decode_section(words, t, g, k, e, l0, flags, pop, cpop0, cpop1, succ, joint, cjoint0,
+                   cjoint1, binom, budget, out):
     """Decode ``words`` uint32 [W] (W >= 1, last word nonzero) into out uint8 [T, G, K].
 
-    Tables as routereplay.codec.xl_ans._Tables holds them (parameters = frequency - 1):
-    flags int32 [L, 3, 2], pop int64 [L, E], pop0 int32 [L, E], pop1 int32 [L, E, E] or
-    [0, 0, 0], succ int32 [L, E, E], joint int64 [L, C, E] or [0, 0, 0], joint0 int32
-    [L, C, E] or empty, joint1 int32 [L, C, E, E] or [0, 0, 0, 0]; binom int64 [E + 1, K + 1].
+    Tables as routereplay.codec.xl_ans._Tables.kernel_args gives them: flags int32
+    [L, 3, 2] (parameters = frequency - 1), pop int64 [L, E], succ int32 [L, E, E], joint
+    int64 [L, C, E] or [0, 0, 0]; cumulative frequencies, flattened int32: cpop0 of
+    [L, E + 1], cpop1 of [L, E, E + 1] or empty, cjoint0 of [L, C, E + 1] or empty, cjoint1
+    of [L, C, E, E + 1] or empty; binom int64 [E + 1, K + 1].
     ``budget``: the coder work allowed (FORMAT.md: 128 per byte of words).
 
     Returns (error code, the MoE layer it was met at): (OK, -1) or one of ENDS_EARLY,
@@ -164,12 +259,14 @@ def decode_section(words, t, g, k, e, l0, flags, pop, pop0, pop1, succ, joint, j
     lo = np.uint64(1) << np.uint64(32)
     mask = np.uint64(_MASK)
     sh = np.uint64(PRECISION)
+    nc = joint.shape[1]
     fb = np.empty((min(max(t, 1), CHUNK_ROWS), e), dtype=np.int64)
     u = np.empty(e, dtype=np.int64)
-    sk = np.empty(k, dtype=np.int64)
     rep = np.zeros(t, dtype=np.bool_)
     rep_up = np.zeros(t, dtype=np.bool_)
     fresh = np.empty(t, dtype=np.int64)
+    crank = np.empty(t, dtype=np.int64)
+    base = np.empty(min(max(t, 1), CHUNK_ROWS), dtype=np.int64)
     spent = 0
     for lp in range(g):
         lyr = l0 + lp
@@ -183,11 +280,11 @@ def decode_section(words, t, g, k, e, l0, flags, pop, pop0, pop1, succ, joint, j
             x = 2 if lp == 0 else (1 if rep_up[row] else 0)
             f0 = np.uint64(flags[lyr, x, 0] + 1)
             q = state & mask
-            if q < f0:
-                state = (state >> sh) * f0 + q
-            else:
-                state = (state >> sh) * np.uint64(flags[lyr, x, 1] + 1) + (q - f0)
-                rep[row] = True
+            # NOTE: without branches (conditional moves): a repeat flag is hard to predict
+            hit = q >= f0
+            state = (state >> sh) * (np.uint64(flags[lyr, x, 1] + 1) if hit else f0) + \
+                (q - f0 if hit else q)
+            rep[row] = hit
             if state < lo and r > 0:
                 state = (state << np.uint64(32)) | np.uint64(words[r - 1])
                 r -= 1
@@ -199,35 +296,28 @@ def decode_section(words, t, g, k, e, l0, flags, pop, pop0, pop1, succ, joint, j
         spent += 2 * max(t - 1, 0) + n * k * e
         if spent > budget:
             return OVER_BUDGET, lyr
+        if lp and nc:
+            _set_ranks(out, fresh, n, lp, k, binom, crank)
         for j in range(k):
+            mode = _column_mode(lp, j, cpop1, joint, cjoint1)
+            tbl = cpop0 if mode == _POP0 else cpop1 if mode == _POP1 else \
+                cjoint0 if mode == _JOINT0 else cjoint1
             for i0 in range(0, n, CHUNK_ROWS):
                 i1 = min(i0 + CHUNK_ROWS, n)
-                _column_freqs(out, fresh, i0, i1, lp, lyr, j, k, e, pop, pop0, pop1, succ,
-                              joint, joint0, joint1, binom, u, sk, fb)
+                if mode == _COMPUTED:
+                    _column_freqs(out, fresh, i0, i1, lp, lyr, j, k, e, pop, succ, joint,
+                                  crank, u, fb)
                 if state == 0 and r == 0:
                     return ENDS_EARLY, lyr
-                for i in range(i0, i1):
-                    row = fresh[i]
-                    q = state & mask
-                    # s: the symbol whose interval holds q (a search without early exit:
-                    # conditional moves, no mispredicted branches; 20 % faster at E=8)
-                    qi = np.int64(q)
-                    acc = 0
-                    s = 0
-                    cs = 0
-                    for x in range(e - 1):
-                        acc += fb[i - i0, x]
-                        if qi >= acc:
-                            s = x + 1
-                            cs = acc
-                    state = (state >> sh) * np.uint64(fb[i - i0, s]) + np.uint64(qi - cs)
-                    if state < lo and r > 0:
-                        state = (state << np.uint64(32)) | np.uint64(words[r - 1])
-                        r -= 1
-                    for jj in range(j):
-                        if out[row, lp, jj] == s:
-                            return REPEATED_ID, lyr
-                    out[row, lp, j] = s
+                if mode == _COMPUTED:
+                    state, r, bad = _decode_column_freqs(words, state, r, fb, fresh, i0, i1,
+                                                         lp, j, e, out)
+                else:
+                    _table_bases(mode, i0, i1, fresh, lp, lyr, e, nc, out, crank, base)
+                    state, r, bad = _decode_column(words, state, r, tbl, base, fresh, i0,
+                                                   i1, lp, j, e, out)
+                if bad:
+                    return REPEATED_ID, lyr
         for row in range(1, t):
             if rep[row]:
                 for jj in range(k):
@@ -277,7 +367,6 @@ def count_record(ids, flags, pop, pair, joint, binom):
     counts flags [L, 3, 2], pop [L, E], pair [L, E, E], joint [L, C, E] (C possibly 0),
     as routereplay.codec.xl_ans.XlModel.count does (FORMAT.md: our writer's counts)."""
     t, nl, k = ids.shape
-    sk = np.empty(k, dtype=np.int64)
     for lyr in range(nl):
         for row in range(t):
             if row:
@@ -303,17 +392,35 @@ def count_record(ids, flags, pop, pair, joint, binom):
                 for m in range(k):
                     pair[lyr, uu, ids[row, lyr, m]] += 1
             if joint.shape[1]:
-                c = _set_rank(ids, row, lyr - 1, k, binom, sk)
+                c = _set_rank(ids, row, lyr - 1, k, binom)
                 for m in range(k):
                     joint[lyr, c, ids[row, lyr, m]] += 1
 
 
+@numba.njit(nogil=True, inline="always")
+def _push(out, w, state, f, c):
+    """Encode one symbol of frequency f and interval start c (uint64) onto the ANS stack
+    (``state``, ``w`` words in out uint32): returns (state, w)."""
+    if state >= (f << np.uint64(64 - PRECISION)):
+        out[w] = np.uint32(state & np.uint64(0xFFFFFFFF))
+        w += 1
+        state = state >> np.uint64(32)
+    return ((state // f) << np.uint64(PRECISION)) + (state % f) + c, w
+
+
 @_njit
-def encode_section(ids, l0, flags, pop, pop0, pop1, succ, joint, joint0, joint1, binom):
+def encode_section(ids, l0, flags, pop, cpop0, cpop1, succ, joint, cjoint0, cjoint1, binom):
     """ids uint8 [T, G, K] (checked by the caller: ids < E, distinct in a row) -> the
-    section's words uint32 [W], exactly what the constriction path writes."""
+    section's words uint32 [W], exactly what the constriction path writes (tables as
+    :func:`decode_section` takes them).
+
+    NOTE: an ANS stack is written from the last symbol to the first, so this walks the
+    section backwards (layers, columns, chunks and rows), each symbol's interval found as
+    the decoder will find it: no per-symbol arrays (a writer allocating them per section
+    paid page faults for 1-2 MB a 1K-token record)."""
     t, g, k = ids.shape
     e = pop.shape[1]
+    nc = joint.shape[1]
     rep = np.zeros((t, g), dtype=np.bool_)
     nsym = 0
     for lp in range(g):
@@ -327,58 +434,55 @@ def encode_section(ids, l0, flags, pop, pop0, pop1, succ, joint, joint0, joint1,
         for row in range(t):
             if not rep[row, lp]:
                 nsym += k
-    fs = np.empty(nsym, dtype=np.uint64)          # each symbol's frequency and start, in
-    cs = np.empty(nsym, dtype=np.uint64)          # decode order
     fb = np.empty((min(max(t, 1), CHUNK_ROWS), e), dtype=np.int64)
     u = np.empty(e, dtype=np.int64)
-    sk = np.empty(k, dtype=np.int64)
     fresh = np.empty(t, dtype=np.int64)
-    i = 0
-    for lp in range(g):
+    crank = np.empty(t, dtype=np.int64)
+    base = np.empty(min(max(t, 1), CHUNK_ROWS), dtype=np.int64)
+    out = np.empty(nsym + 3, dtype=np.uint32)     # at most one word a symbol, and the state
+    w = 0
+    # the end marker first (decoded last): 256 equal weights, frequency 2^16 each
+    state, w = _push(out, w, np.uint64(0), np.uint64(1 << 16), np.uint64(END_MARKER << 16))
+    for lp in range(g - 1, -1, -1):
         lyr = l0 + lp
-        for row in range(1, t):
-            x = 2 if lp == 0 else (1 if rep[row, lp - 1] else 0)
-            f0 = flags[lyr, x, 0] + 1
-            if rep[row, lp]:
-                fs[i], cs[i] = flags[lyr, x, 1] + 1, f0
-            else:
-                fs[i], cs[i] = f0, 0
-            i += 1
         n = 0
         for row in range(t):
             if not rep[row, lp]:
                 fresh[n] = row
                 n += 1
-        for j in range(k):
-            for i0 in range(0, n, CHUNK_ROWS):
+        if lp and nc:
+            _set_ranks(ids, fresh, n, lp, k, binom, crank)
+        for j in range(k - 1, -1, -1):
+            mode = _column_mode(lp, j, cpop1, joint, cjoint1)
+            tbl = cpop0 if mode == _POP0 else cpop1 if mode == _POP1 else \
+                cjoint0 if mode == _JOINT0 else cjoint1
+            for i0 in range((max(n, 1) - 1) // CHUNK_ROWS * CHUNK_ROWS, -1, -CHUNK_ROWS):
                 i1 = min(i0 + CHUNK_ROWS, n)
-                _column_freqs(ids, fresh, i0, i1, lp, lyr, j, k, e, pop, pop0, pop1, succ,
-                              joint, joint0, joint1, binom, u, sk, fb)
-                for ii in range(i0, i1):
-                    s = ids[fresh[ii], lp, j]
-                    c = 0
-                    for y in range(s):
-                        c += fb[ii - i0, y]
-                    fs[i], cs[i] = fb[ii - i0, s], c
-                    i += 1
-    out = np.empty(nsym + 3, dtype=np.uint32)     # at most one word a symbol, and the state
-    w = 0
-    state = np.uint64(0)
-    sh = np.uint64(PRECISION)
-    lo32 = np.uint64(0xFFFFFFFF)
-    # NOTE: the end marker first (decoded last), then the symbols from the last to the first
-    for i in range(nsym, -1, -1):
-        if i == nsym:
-            fi, ci = np.uint64(1 << 16), np.uint64(END_MARKER << 16)
-        else:
-            fi, ci = fs[i], cs[i]
-        if state >= (fi << np.uint64(64 - PRECISION)):
-            out[w] = np.uint32(state & lo32)
-            w += 1
-            state = state >> np.uint64(32)
-        state = ((state // fi) << sh) + (state % fi) + ci
-    if state > lo32:
-        out[w] = np.uint32(state & lo32)
+                if mode == _COMPUTED:
+                    _column_freqs(ids, fresh, i0, i1, lp, lyr, j, k, e, pop, succ, joint,
+                                  crank, u, fb)
+                    for ii in range(i1 - 1, i0 - 1, -1):
+                        sym = ids[fresh[ii], lp, j]
+                        c0 = 0
+                        for y in range(sym):
+                            c0 += fb[ii - i0, y]
+                        state, w = _push(out, w, state, np.uint64(fb[ii - i0, sym]),
+                                         np.uint64(c0))
+                    continue
+                _table_bases(mode, i0, i1, fresh, lp, lyr, e, nc, ids, crank, base)
+                for ii in range(i1 - 1, i0 - 1, -1):
+                    b = base[ii - i0] + np.int64(ids[fresh[ii], lp, j])
+                    c0 = np.int64(tbl[b])
+                    state, w = _push(out, w, state, np.uint64(np.int64(tbl[b + 1]) - c0),
+                                     np.uint64(c0))
+        for row in range(t - 1, 0, -1):
+            x = 2 if lp == 0 else (1 if rep[row, lp - 1] else 0)
+            f0 = np.uint64(flags[lyr, x, 0] + 1)
+            hit = rep[row, lp]           # NOTE: conditional moves, as the decoder's flags
+            state, w = _push(out, w, state, np.uint64(flags[lyr, x, 1] + 1) if hit else f0,
+                             f0 if hit else np.uint64(0))
+    if state > np.uint64(0xFFFFFFFF):
+        out[w] = np.uint32(state & np.uint64(0xFFFFFFFF))
         out[w + 1] = np.uint32(state >> np.uint64(32))
         w += 2
     elif state:
