@@ -691,7 +691,11 @@ def test_a_stream_seeded_with_the_previous_streams_model_codes_its_first_records
         wr.write(RoutingRecord(f"a{i}", x))
     st.records = len(first)
     st.rotate("v1")
-    assert st.seed is not None and st._writer()._model is not None
+    assert st.seed is not None
+    wr = st._writer()
+    wr.write(RoutingRecord("b0", second[0]))
+    wr.flush()
+    assert wr.model_frames == 1 and wr._model is not None    # the seed's, before b0
     st.rotate("v2")
 
 
@@ -827,12 +831,13 @@ def test_writers_close_the_files_they_opened_and_only_those(tmp_path):
     assert SidecarReader("memory://rr/c.rrsc").read("s0").num_tokens == 300
 
 
-def test_a_seed_from_other_routing_costs_at_most_its_frame():
+def test_a_seed_from_other_routing_costs_nothing():
     """A stream seeded from routing of other tables (another checkpoint, a changed policy:
-    the framework review's "source replaced" case) learns a model of its own records: it
-    stays below xl-zstd and within 6 % of an unseeded stream (the seed frame and the
-    records before its own model); before, the seed's weight kept it from ever writing
-    one, 3 % above xl-zstd. A seed from the same routing still beats no seed."""
+    the framework review's "source replaced" case) writes no seed frame (it does not pay on
+    the first record) and learns a model of its own records: its size is the unseeded
+    stream's (before: the seed frame was written before any record, 3.6 % above; and
+    before that, the seed's weight kept it from ever writing a model of its own, 3 % above
+    xl-zstd). A seed from the same routing still beats no seed."""
     nl, e, k = 16, 8, 2
     schema = RoutingSchema(nl, tuple(range(nl)), k, e)
     a, b = (CrossLayerRouting.make(np.random.default_rng(s), nl, e, k) for s in (7, 8))
@@ -854,9 +859,10 @@ def test_a_seed_from_other_routing_costs_at_most_its_frame():
     unseeded = size(recs, codec="xl-ans")[0]
     other = size(recs, codec="xl-ans", xl_ans_seed=seed_a)[0]
     same = size(recs, codec="xl-ans", xl_ans_seed=seed_b)[0]
-    assert other < xl_zstd and other < 1.06 * unseeded, (other, unseeded, xl_zstd)
+    assert other <= 1.005 * unseeded and other < xl_zstd, (other, unseeded, xl_zstd)
     assert same < unseeded, (same, unseeded)
-    # measured: other 133572, unseeded 128896, xl-zstd 143909, same 125416 (other before: 148.5K)
+    # measured: other 128896 = unseeded 128896, xl-zstd 143909, same 125416 (other before:
+    # 133572 with the seed frame written up front; 148.5K before the writer counted its own)
 
 
 def test_a_stream_stays_within_xl_zstd_plus_its_model_frames_on_long_records():
@@ -873,8 +879,11 @@ def test_a_stream_stays_within_xl_zstd_plus_its_model_frames_on_long_records():
         w.write(RoutingRecord(f"a{i}", src.sample(rng, 1024)[0]))
     w.close()
     seed = w.learned_model()
-    recs = [routing_trace(rng, 4096, 32, 8, 2, 0.5, 1.0)[0] for _ in range(4)]
-    sizes, frames = {}, {}
+    # NOTE: a first record of the seed's routing, so that the seed's frame pays and is
+    # written; then independent routing under it
+    recs = [src.sample(rng, 4096)[0]] + \
+        [routing_trace(rng, 4096, 32, 8, 2, 0.5, 1.0)[0] for _ in range(4)]
+    sizes, frames, per_record = {}, {}, {}
     for name, kw in (("xl-zstd", {}), ("xl-ans", {"xl_ans_seed": seed})):
         w = SidecarWriter(None, schema, codec=name, background=False, **kw)
         for i, x in enumerate(recs):
@@ -885,8 +894,11 @@ def test_a_stream_stays_within_xl_zstd_plus_its_model_frames_on_long_records():
         assert all(np.array_equal(r.read(f"s{i}").expert_ids, x) for i, x in enumerate(recs))
         r.scan()
         sizes[name], frames[name] = len(data), sum(r.model_frames.values())
+        per_record[name] = [r.record_bytes(f"s{i}").routing for i in range(1, len(recs))]
     assert frames["xl-ans"] > 0
     assert sizes["xl-ans"] <= sizes["xl-zstd"] + frames["xl-ans"] + 16, (sizes, frames)
+    # each independent record: no larger than xl-zstd's own (its grid; 4 % above without)
+    assert all(a <= z for a, z in zip(per_record["xl-ans"], per_record["xl-zstd"])), per_record
 
 
 def test_convert_seed_from_counts_every_record_of_the_seed_streams(tmp_path):

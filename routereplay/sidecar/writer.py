@@ -271,6 +271,9 @@ class SidecarWriter:
         # seed's routing differs from this stream's (another checkpoint, a changed policy),
         # a model of them alone can beat the seed's, whose weight would drown them
         self._own_counts: xl_ans.XlModel | None = None
+        # the seed's model payload and the rows it was counted from, until its frame is
+        # written or the stream's first records have shown that it does not pay
+        self._seed_pending: tuple[bytes, int] | None = None
         self._ids: set[str] = set()
         self._pos = 0
         self._closed = False
@@ -442,8 +445,9 @@ class SidecarWriter:
                               m.pair.copy(), m.joint.copy())
 
     def _seed(self, seed: "xl_ans.XlModel") -> None:
-        """Write ``seed`` (checked by :func:`_check_seed`) as the first model frame, unless
-        its counts are too few for a model payload, and learn on from its counts."""
+        """Learn on from ``seed`` (checked by :func:`_check_seed`), and keep its model for
+        the stream's first records (:meth:`_maybe_seed`), unless its counts are too few for
+        a model payload."""
         s = self.schema
         arrays = [np.asarray(a, dtype=np.int64).copy()
                   for a in (seed.flags, seed.pop, seed.pair, seed.joint)]
@@ -456,13 +460,37 @@ class SidecarWriter:
         self._own_counts = xl_ans.XlModel.empty(s.num_moe_layers, s.num_experts, s.top_k)
         payload = self._learn.stored().to_bytes()
         least, _ = xl_ans.payload_limits(s.num_moe_layers, s.num_experts, s.top_k)
-        if len(payload) < least:
-            return                        # nothing worth a frame (near-empty counts)
-        offset = self._pos
+        if len(payload) >= least:                 # else nothing worth a frame (near-empty)
+            self._seed_pending = (payload, rows)
+
+    def _maybe_seed(self, record: RoutingRecord) -> Any:
+        """Write the seed's model frame before ``record`` where it pays for itself on it,
+        and return ``record``'s payload (under the seed's model where its frame was
+        written, else without a model).
+
+        NOTE: the bet is the seed's stream: what the model saves on this record, times as
+        many records as the seed was counted from (its rows over this record's), must pay
+        for the frame. A seed from the same routing pays at once; one from routing that has
+        changed since (another checkpoint, another task) is tried on the records before
+        the stream's own first model is due (MODEL_FIRST_ROWS rows), then dropped: its
+        counts still weigh in the candidates of :meth:`_maybe_model`."""
+        assert self._seed_pending is not None and self._own_counts is not None
+        payload, seed_rows = self._seed_pending
+        s = self.schema
+        rec_rows = max(record.num_tokens - 1, 0) * s.num_moe_layers
+        if self._own_counts.rows_counted() + rec_rows >= MODEL_FIRST_ROWS:
+            self._seed_pending = None                 # decided at this record either way
+        model = (self._pos, xl_ans.XlModel.from_bytes(payload, s.num_moe_layers,
+                                                      s.num_experts, s.top_k))
+        plain, coded = self._payload(record, None), self._payload(record, model)
+        frame = len(payload) + 24
+        if (len(plain) - len(coded)) * seed_rows < frame * max(rec_rows, 1):
+            return plain
         self._emit(encode_frame(KIND_MODEL, payload))
-        self._model = (offset, xl_ans.XlModel.from_bytes(payload, s.num_moe_layers,
-                                                         s.num_experts, s.top_k))
+        self._model = model
         self._models_written = 1
+        self._seed_pending = None
+        return coded
 
     def _learn_from(self, record: RoutingRecord) -> Any:
         """xl-ans: write a new model frame when due (learned from the records before
@@ -480,6 +508,9 @@ class SidecarWriter:
             ids = np.sort(ids, axis=-1)
         self._raw_bytes += ids.nbytes
         try:
+            if self._seed_pending is not None:
+                # NOTE: the stream's own model is not due yet (fewer rows than the first's)
+                return self._maybe_seed(record)
             return self._maybe_model(record)
         finally:
             self._learn.count(ids)
