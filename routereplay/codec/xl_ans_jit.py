@@ -188,12 +188,12 @@ def _decode_column(words, state, r, tbl, base, fresh, i0, i1, lp, j, e, out):
         row = fresh[i]
         b = base[i - i0]
         qi = np.int64(state & mask)
-        # s: the symbol whose interval holds q (a search without early exit: conditional
-        # moves, no mispredicted branches)
+        # s: the symbol whose interval holds q, i.e. how many of the ascending starts
+        # cum[1 .. E-1] are <= q (a count without branches: no mispredictions)
         s = 0
+        q32 = np.int32(qi)                                  # NOTE: q < 2^24
         for x in range(1, e):
-            if qi >= tbl[b + x]:
-                s = x
+            s += np.int64(q32 >= tbl[b + x])
         c0 = np.int64(tbl[b + s])
         state = (state >> sh) * np.uint64(np.int64(tbl[b + s + 1]) - c0) + np.uint64(qi - c0)
         if state < lo and r > 0:
