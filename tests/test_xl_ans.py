@@ -1080,3 +1080,29 @@ def test_convert_merging_streams_keeps_shared_extras_and_refuses_mixed_column_or
         p = run_py(["-m", "routereplay.cli", "convert", "--from", "sidecar", str(d), "--out",
                     str(tmp_path / "mixed.rrsc"), *flags], timeout=60)
         assert p.returncode == 2 and "mix column orders" in p.stderr
+
+
+def test_learned_model_during_a_background_write_is_a_copy_of_whole_records(monkeypatch):
+    """learned_model() called while the writer thread counts a record (the count kernel
+    releases the GIL) copies the counts between two records, never half of one: the
+    framework author's rotation may ask for the seed while the last records are written."""
+    import threading
+    import time
+    schema = RoutingSchema(4, tuple(range(4)), 2, 8)
+    x = _source(4, 8, 2).sample(np.random.default_rng(3), 200)[0]
+    halfway = threading.Event()
+    count = xl_ans.XlModel.count
+
+    def slow_count(self, ids):                       # a record counted in two halves
+        count(self, ids[:100])
+        if self.rows_counted() and ids.shape[0] == 200:
+            halfway.set()
+            time.sleep(0.3)
+        count(self, ids[100:])
+    monkeypatch.setattr(xl_ans.XlModel, "count", slow_count)
+    w = SidecarWriter(None, schema, codec="xl-ans", background=True)
+    w.write(RoutingRecord("s0", x))
+    assert halfway.wait(10)
+    got = w.learned_model().rows_counted()
+    w.close()
+    assert got == 2 * 99 * 4, got                    # the whole record, not its first half

@@ -22,7 +22,7 @@ record's sections, which name it by its frame offset. Per section, layer by laye
 
 Models are static within a record (no adaptation). Two coders write the same words:
 numba kernels (routereplay.codec.xl_ans_jit, where numba imports: :func:`compiled`), one
-pass over the section, about 36-46 / 65 MB/s (encode / decode) at E=8 top-2; else
+pass over the section, about 60-65 / 85-90 MB/s (encode / decode) at E=8 top-2; else
 constriction, vectorized over a section's rows, 1 + K calls per layer, about 10 MB/s.
 ``xl-ans`` needs a model frame; the writer codes a stream's first records with
 ``xl-zstd`` while it learns, and keeps each section's smaller of ``xl-ans`` and
@@ -71,7 +71,7 @@ _JIT_WARNED: set = set()    # values of ROUTEREPLAY_XL_ANS_JIT already warned ab
 
 def compiled() -> Any:
     """routereplay.codec.xl_ans_jit (numba kernels, imported on first call), or None: then
-    this module codes with constriction (the same bytes, its section coder 3-7x slower).
+    this module codes with constriction (the same bytes, its section coder 5-10x slower).
 
     ``ROUTEREPLAY_XL_ANS_JIT`` (read at every call): unset or ``auto``: the kernels where
     numba imports, else constriction with a RuntimeWarning, once per process (a trainer
@@ -111,7 +111,7 @@ def compiled() -> Any:
         if not _JIT[2]:
             _JIT[2] = True
             warnings.warn(f"routereplay: {_JIT[1]}; xl-ans is coded with constriction (the same "
-                          f"bytes, 3-7x slower)", RuntimeWarning, stacklevel=3)
+                          f"bytes, 5-10x slower)", RuntimeWarning, stacklevel=3)
     return _JIT[0]
 
 

@@ -7,7 +7,8 @@ section encoded by either path decodes with the other, byte for byte
 sections). What differs is the cost: the constriction path calls the coder once per layer
 and column with per-symbol models (E float64 parameters a symbol, built with numpy), about
 10 MB/s at E=8 top-2; these kernels walk the section once, symbol by symbol, with the
-frequency tables routereplay.codec.xl_ans computes once per model (36-46 / 65 MB/s there).
+cumulative frequency tables routereplay.codec.xl_ans computes once per model (60-65 /
+85-90 MB/s there).
 
 This module imports numba; routereplay.codec.xl_ans imports it on first use
 (:func:`routereplay.codec.xl_ans.compiled`, which also reads ``ROUTEREPLAY_XL_ANS_JIT``),

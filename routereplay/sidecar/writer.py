@@ -132,15 +132,17 @@ class SidecarWriter:
         xl_ans_seed: ``xl-ans`` only: the counts of an earlier stream of the same schema
             (:meth:`learned_model` of its writer, or ``SidecarReader.xl_ans_counts()``,
             which counts a stream on disk again; ``SidecarReader.xl_ans_model()`` holds
-            only what its last model frame learned), written as this stream's first model
-            frame and learned on from: the stream's first records are coded with a model
-            (one stream per weight version otherwise relearns it each time). A seed weighs
-            at most as much as 2^20 token-layer rows of the new stream (``SEED_ROWS``).
-            The writer also learns this stream's records alone and writes their model
-            where it beats the seed's (routing that changed since the seed): a seed from
-            other routing then costs about its frame (measured 3.6 % above no seed; a
-            stream that alternates kinds of routing lost 8 %), never more than xl-zstd's
-            size plus the model frames; from the same run's previous step it saves 1-3 %.
+            only what its last model frame learned), learned on from, and written as this
+            stream's first model frame before the first record on which it pays for itself
+            (what it saves on the record, times the seed's records, at least the frame's
+            bytes): the stream's first records are coded with a model (one stream per
+            weight version otherwise relearns it each time). A seed weighs at most as much
+            as 2^20 token-layer rows of the new stream (``SEED_ROWS``). The writer also
+            learns this stream's records alone and writes their model where it beats the
+            seed's (routing that changed since the seed): a seed from other routing writes
+            no frame and costs nothing (measured: the unseeded stream's bytes), never more
+            than xl-zstd's size plus the model frames; from the same run's previous step it
+            saves 1-3 %.
         background: encode and write on a background thread (default). The queue holds
             at most ``max_queue`` records; :meth:`write` blocks when it is full.
         fsync: "close" (default) fsyncs local files on close; "frame" after every frame;
@@ -274,6 +276,9 @@ class SidecarWriter:
         # the seed's model payload and the rows it was counted from, until its frame is
         # written or the stream's first records have shown that it does not pay
         self._seed_pending: tuple[bytes, int] | None = None
+        # NOTE: the writer thread counts records into _learn while a caller may copy it
+        # (learned_model): the lock keeps the copy whole
+        self._learn_lock = threading.Lock()
         self._ids: set[str] = set()
         self._pos = 0
         self._closed = False
@@ -437,12 +442,14 @@ class SidecarWriter:
         [L_moe, E]``, ``pair [L_moe, E, E]``, ``joint [L_moe, C, E]``): the seed for the
         next stream (``SidecarWriter(..., codec="xl-ans", xl_ans_seed=)``). None for other
         codecs. Call it after :meth:`flush` or :meth:`close`: the writer thread counts
-        records as it writes them, so records still queued are not in it."""
+        records as it writes them, so records still queued are not in it (a call while it
+        writes gets the counts of whole records: a copy between two records)."""
         if self._learn is None:
             return None
-        m = self._learn
-        return xl_ans.XlModel(m.num_experts, m.top_k, m.flags.copy(), m.pop.copy(),
-                              m.pair.copy(), m.joint.copy())
+        with self._learn_lock:
+            m = self._learn
+            return xl_ans.XlModel(m.num_experts, m.top_k, m.flags.copy(), m.pop.copy(),
+                                  m.pair.copy(), m.joint.copy())
 
     def _seed(self, seed: "xl_ans.XlModel") -> None:
         """Learn on from ``seed`` (checked by :func:`_check_seed`), and keep its model for
@@ -513,7 +520,8 @@ class SidecarWriter:
                 return self._maybe_seed(record)
             return self._maybe_model(record)
         finally:
-            self._learn.count(ids)
+            with self._learn_lock:
+                self._learn.count(ids)
             if self._own_counts is not None:
                 self._own_counts.count(ids)
 
