@@ -86,7 +86,7 @@ def _cmd_demo(a: argparse.Namespace) -> int:
                      trainer_parallel=a.trainer_parallel, update_midway=a.update_midway,
                      seed=a.seed, workdir=a.workdir, progress=not a.no_progress)
     print("routereplay demo: building/loading the model, rolling out in vLLM, recomputing in "
-          "megatron-core (about 2-4 minutes on 2 CPU cores) ...", file=sys.stderr, flush=True)
+          "megatron-core (30 s to 2 minutes on 2 CPU cores) ...", file=sys.stderr, flush=True)
     from routereplay.errors import SchemaError
     try:
         res = run_demo(cfg)
