@@ -174,6 +174,29 @@ def _set_ranks(ids, fresh, n, lp, k, binom, crank):
         crank[i] = _set_rank(ids, fresh[i], lp - 1, k, binom)
 
 
+@numba.njit(nogil=True, inline="always")
+def _advance(words, state, r, f, offset):
+    """One ANS decoding step (FORMAT.md "ANS decoder"): the symbol of frequency ``f``
+    whose interval holds q = state mod 2^24 at ``offset`` = q - its start; then a word from
+    ``words`` (``r`` left) where the state fell below 2^32. Returns (state, r)."""
+    state = (state >> np.uint64(PRECISION)) * np.uint64(f) + np.uint64(offset)
+    if state < (np.uint64(1) << np.uint64(32)) and r > 0:
+        state = (state << np.uint64(32)) | np.uint64(words[r - 1])
+        r -= 1
+    return state, r
+
+
+@numba.njit(nogil=True, inline="always")
+def _put(out, row, lp, j, s):
+    """out[row, lp, j] = s, unless s is already in the row's columns < j: returns 1 there
+    (corrupt), else 0."""
+    for jj in range(j):
+        if out[row, lp, jj] == s:
+            return 1
+    out[row, lp, j] = s
+    return 0
+
+
 @_njit
 def _decode_column(words, state, r, tbl, base, fresh, i0, i1, lp, j, e, out):
     """Decode column j of the fresh rows ``fresh[i0:i1]`` of section layer lp into out
@@ -182,9 +205,7 @@ def _decode_column(words, state, r, tbl, base, fresh, i0, i1, lp, j, e, out):
     repeats an expert else 0).
 
     NOTE: a function of its own, so the loop sees one table array (one per column pass)."""
-    lo = np.uint64(1) << np.uint64(32)
     mask = np.uint64(_MASK)
-    sh = np.uint64(PRECISION)
     for i in range(i0, i1):
         row = fresh[i]
         b = base[i - i0]
@@ -196,14 +217,9 @@ def _decode_column(words, state, r, tbl, base, fresh, i0, i1, lp, j, e, out):
         for x in range(1, e):
             s += np.int64(q32 >= tbl[b + x])
         c0 = np.int64(tbl[b + s])
-        state = (state >> sh) * np.uint64(np.int64(tbl[b + s + 1]) - c0) + np.uint64(qi - c0)
-        if state < lo and r > 0:
-            state = (state << np.uint64(32)) | np.uint64(words[r - 1])
-            r -= 1
-        for jj in range(j):
-            if out[row, lp, jj] == s:
-                return state, r, 1
-        out[row, lp, j] = s
+        state, r = _advance(words, state, r, np.int64(tbl[b + s + 1]) - c0, qi - c0)
+        if _put(out, row, lp, j, s):
+            return state, r, 1
     return state, r, 0
 
 
@@ -211,9 +227,7 @@ def _decode_column(words, state, r, tbl, base, fresh, i0, i1, lp, j, e, out):
 def _decode_column_freqs(words, state, r, fb, fresh, i0, i1, lp, j, e, out):
     """:func:`_decode_column` with row i's frequencies fb int64 [i1 - i0, E]
     (:func:`_column_freqs`), summed as the search goes."""
-    lo = np.uint64(1) << np.uint64(32)
     mask = np.uint64(_MASK)
-    sh = np.uint64(PRECISION)
     for i in range(i0, i1):
         row = fresh[i]
         qi = np.int64(state & mask)
@@ -225,14 +239,9 @@ def _decode_column_freqs(words, state, r, fb, fresh, i0, i1, lp, j, e, out):
             if qi >= acc:
                 s = x + 1
                 cs = acc
-        state = (state >> sh) * np.uint64(fb[i - i0, s]) + np.uint64(qi - cs)
-        if state < lo and r > 0:
-            state = (state << np.uint64(32)) | np.uint64(words[r - 1])
-            r -= 1
-        for jj in range(j):
-            if out[row, lp, jj] == s:
-                return state, r, 1
-        out[row, lp, j] = s
+        state, r = _advance(words, state, r, fb[i - i0, s], qi - cs)
+        if _put(out, row, lp, j, s):
+            return state, r, 1
     return state, r, 0
 
 
@@ -257,9 +266,7 @@ def decode_section(words, t, g, k, e, l0, flags, pop, cpop0, cpop1, succ, joint,
     if r > 0:
         state = (state << np.uint64(32)) | np.uint64(words[r - 1])
         r -= 1
-    lo = np.uint64(1) << np.uint64(32)
     mask = np.uint64(_MASK)
-    sh = np.uint64(PRECISION)
     nc = joint.shape[1]
     fb = np.empty((min(max(t, 1), CHUNK_ROWS), e), dtype=np.int64)
     u = np.empty(e, dtype=np.int64)
@@ -281,12 +288,14 @@ def decode_section(words, t, g, k, e, l0, flags, pop, cpop0, cpop1, succ, joint,
             x = 2 if lp == 0 else (1 if rep_up[row] else 0)
             f0 = np.uint64(flags[lyr, x, 0] + 1)
             q = state & mask
-            # NOTE: without branches (conditional moves): a repeat flag is hard to predict
+            # NOTE: without branches (conditional moves): a repeat flag is hard to predict;
+            # spelled out rather than by _advance, whose inlined call here compiled to a
+            # branch (the whole decoder 25 % slower)
             hit = q >= f0
-            state = (state >> sh) * (np.uint64(flags[lyr, x, 1] + 1) if hit else f0) + \
-                (q - f0 if hit else q)
+            state = (state >> np.uint64(PRECISION)) * \
+                (np.uint64(flags[lyr, x, 1] + 1) if hit else f0) + (q - f0 if hit else q)
             rep[row] = hit
-            if state < lo and r > 0:
+            if state < (np.uint64(1) << np.uint64(32)) and r > 0:
                 state = (state << np.uint64(32)) | np.uint64(words[r - 1])
                 r -= 1
         n = 0
@@ -336,10 +345,7 @@ def decode_section(words, t, g, k, e, l0, flags, pop, cpop0, cpop1, succ, joint,
         return BAD_END, -1
     q = state & mask
     marker = q >> np.uint64(16)
-    state = (state >> sh) * np.uint64(1 << 16) + (q - (marker << np.uint64(16)))
-    if state < lo and r > 0:
-        state = (state << np.uint64(32)) | np.uint64(words[r - 1])
-        r -= 1
+    state, r = _advance(words, state, r, np.uint64(1 << 16), q - (marker << np.uint64(16)))
     if marker != END_MARKER or state != 0 or r != 0:
         return BAD_END, -1
     return OK, -1
