@@ -16,7 +16,7 @@ named by a short string stored in each routing section's metadata (docs/FORMAT.m
   at 1.039x the entropy rate (64 records; 1.024x at 256), about 14 % below ``xl-zstd``
   (7-8 % where layers are coupled less); 2 <= E
   <= 64. Coded by numba kernels where numba imports (routereplay.codec.xl_ans_jit: about
-  60-65 MB/s encode, 85-90 decode a section at E=8 top-2; 12-15 at E=64 top-6), else by
+  61-66 MB/s encode, 84-92 decode a section at E=8 top-2; 11-15 at E=64 top-6), else by
   constriction (the same bytes, about 10 MB/s; 2-3 at E=64). Sections name their model frame by offset
   (:data:`ModelResolver`).
 - ``ctx-zstd``: per-layer repeat bitmap and id bytes, then zstd with a Huffman table per

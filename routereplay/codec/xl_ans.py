@@ -22,7 +22,7 @@ record's sections, which name it by its frame offset. Per section, layer by laye
 
 Models are static within a record (no adaptation). Two coders write the same words:
 numba kernels (routereplay.codec.xl_ans_jit, where numba imports: :func:`compiled`), one
-pass over the section, about 60-65 / 85-90 MB/s (encode / decode) at E=8 top-2; else
+pass over the section, about 61-66 / 84-92 MB/s (encode / decode) at E=8 top-2; else
 constriction, vectorized over a section's rows, 1 + K calls per layer, about 10 MB/s.
 ``xl-ans`` needs a model frame; the writer codes a stream's first records with
 ``xl-zstd`` while it learns, and keeps each section's smaller of ``xl-ans`` and
@@ -117,7 +117,7 @@ def compiled() -> Any:
 
 def warm_up() -> bool:
     """Compile the numba kernels (or load them from numba's disk cache) by coding one small
-    section, so that a process's first xl-ans record does not wait for them (2-10 s the
+    section, so that a process's first xl-ans record does not wait for them (5-11 s the
     first time on a machine, 0.2-2 s from the cache); e.g. once while building an image.
 
     Returns:

@@ -7,13 +7,13 @@ section encoded by either path decodes with the other, byte for byte
 sections). What differs is the cost: the constriction path calls the coder once per layer
 and column with per-symbol models (E float64 parameters a symbol, built with numpy), about
 10 MB/s at E=8 top-2; these kernels walk the section once, symbol by symbol, with the
-cumulative frequency tables routereplay.codec.xl_ans computes once per model (60-65 /
-85-90 MB/s there).
+cumulative frequency tables routereplay.codec.xl_ans computes once per model (61-66 /
+84-92 MB/s there).
 
 This module imports numba; routereplay.codec.xl_ans imports it on first use
 (:func:`routereplay.codec.xl_ans.compiled`, which also reads ``ROUTEREPLAY_XL_ANS_JIT``),
 where numba is installed (vLLM depends on it; ``pip install 'routereplay[jit]'``
-elsewhere). The kernels compile on their first call (2-10 s in all) and are cached on
+elsewhere). The kernels compile on their first call (5-11 s in all) and are cached on
 disk (in ``NUMBA_CACHE_DIR`` when set, else next to this file where writable, else in
 numba's per-user cache; later processes load them in 0.2-2 s). They release the GIL: threads
 each with their own SidecarReader decode in parallel (one reader's methods take turns).

@@ -135,14 +135,18 @@ class SidecarWriter:
             only what its last model frame learned), learned on from, and written as this
             stream's first model frame before the first record on which it pays for itself
             (what it saves on the record, times the seed's records, at least the frame's
-            bytes): the stream's first records are coded with a model (one stream per
-            weight version otherwise relearns it each time). A seed weighs at most as much
+            bytes): where the seed fits the stream's routing, its first records are then
+            coded with a model (one stream per weight version otherwise relearns it each
+            time). A seed weighs at most as much
             as 2^20 token-layer rows of the new stream (``SEED_ROWS``). The writer also
             learns this stream's records alone and writes their model where it beats the
             seed's (routing that changed since the seed): a seed from other routing writes
-            no frame and costs nothing (measured: the unseeded stream's bytes), never more
-            than xl-zstd's size plus the model frames; from the same run's previous step it
-            saves 1-3 %.
+            no frame and costs nothing (measured: the unseeded stream's bytes); one from
+            routing whose statistics shifted strongly can cost a few % in short streams
+            (README.md "Seeding"); never more than xl-zstd's size plus the model frames;
+            from the same run's previous step it saves 1-3 %. A seeded writer runs at about
+            13 MB/s (22 unseeded, E=8 top-2): it counts every record twice and tries two
+            models where one is due.
         background: encode and write on a background thread (default). The queue holds
             at most ``max_queue`` records; :meth:`write` blocks when it is full.
         fsync: "close" (default) fsyncs local files on close; "frame" after every frame;
@@ -154,7 +158,7 @@ class SidecarWriter:
             the records written and writes it into the stream as a model frame (kind 3)
             when it pays for itself; later sections use it where smaller than ``xl-zstd``
             (7-14 % smaller streams on routing whose layers depend on each other; a
-            writer at about 15 MB/s with numba, 5-6 without, E=8 top-2; grid layer group
+            writer at about 22 MB/s with numba, 5-6 without, E=8 top-2; grid layer group
             8 by default). docs/FORMAT.md "xl-ans".
         column_order: "engine" (default: top-k columns exactly as the engine returned
             them) or "sorted" (canonical: each row in ascending expert id; declared in the
@@ -501,8 +505,9 @@ class SidecarWriter:
 
     def _learn_from(self, record: RoutingRecord) -> Any:
         """xl-ans: write a new model frame when due (learned from the records before
-        ``record``), then count ``record``'s routing. Returns ``record``'s payload under
-        the new model where one was written (it was coded to decide), else None.
+        ``record``), then count ``record``'s routing. Returns ``record``'s payload where
+        it was coded to decide (under the new model where one was written, else under the
+        model in use), else None.
 
         NOTE: a model frame costs its bytes once and saves on every later record. The first
         is written once MODEL_FIRST_ROWS rows are counted and it takes at most
@@ -527,7 +532,8 @@ class SidecarWriter:
 
     def _maybe_model(self, record: RoutingRecord) -> Any:
         """Write a model frame of the records before ``record`` if one is due and pays;
-        then ``record``'s payload under it, else None.
+        then ``record``'s payload under it; else its payload under the model in use where
+        a candidate was tried, else None.
 
         Candidates: the counts of every record before (and the seed's); in a seeded
         writer also this stream's records alone. Rows, the frames' share of the ids and
@@ -543,7 +549,7 @@ class SidecarWriter:
         offset = self._pos
         # NOTE: the model frame goes at ``offset``, so the payload coded with it here is the
         # record's payload once the frame is written
-        current = best = None
+        current = best = current_payload = None
         own_only = [] if self._own_counts is None else [self._own_counts]
         for counts in [self._learn] + own_only:
             payload = counts.stored().to_bytes()
@@ -551,7 +557,8 @@ class SidecarWriter:
             if self._model_bytes + frame > share * self._raw_bytes or len(payload) < least:
                 continue
             if current is None:
-                current = len(self._payload(record, self._model))
+                current_payload = self._payload(record, self._model)
+                current = len(current_payload)
             model = (offset, xl_ans.XlModel.from_bytes(payload, s.num_moe_layers,
                                                        s.num_experts, s.top_k))
             coded = self._payload(record, model)
@@ -564,7 +571,7 @@ class SidecarWriter:
                 best = (saved, payload, model, coded)
         if best is None:
             self._next_model_rows = 2 * rows
-            return None
+            return current_payload        # NOTE: coded to decide; None where it was not
         _, payload, model, coded = best
         self._emit(encode_frame(KIND_MODEL, payload))
         self._models_written += 1
