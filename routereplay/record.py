@@ -268,7 +268,9 @@ def first_bad_row(ids: np.ndarray, schema: RoutingSchema, sample_id: str, *, sta
                   layer_ids: Sequence[int] | None = None, check_range: bool = True,
                   check_duplicates: bool = True,
                   id_hint: Callable[[int], str] | None = None) -> None:
-    """Raise on the first id out of ``[0, num_experts)`` or repeated within its row.
+    """Raise on the first id out of ``[0, num_experts)`` or repeated within its row (rows
+    are checked in chunks of about :data:`CHECK_CHUNK_IDS` ids, ranges before repeats in
+    each: an out-of-range id is reported before a repeat earlier in the same chunk).
 
     Args:
         ids: integer [T, L, top_k] (any integer dtype; checked before any narrowing).

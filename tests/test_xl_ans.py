@@ -1106,3 +1106,38 @@ def test_learned_model_during_a_background_write_is_a_copy_of_whole_records(monk
     got = w.learned_model().rows_counted()
     w.close()
     assert got == 2 * 99 * 4, got                    # the whole record, not its first half
+
+
+def test_a_model_edited_after_use_is_refused_not_a_crash():
+    """The coder tables are kept on the model; a model whose tables or E are replaced after
+    use (the attacker review: a 2^20-layer popularity table, or another num_experts) gets
+    its tables built again and checked, a RecordError, where the compiled decoder indexed
+    the old tables unchecked (a segfault). In a subprocess: a crash must not take the
+    test session with it."""
+    from tests.conftest import run_py
+    code = """
+import numpy as np
+from routereplay.codec import xl_ans
+from routereplay.errors import RecordError
+from routereplay.testing import CrossLayerRouting
+src = CrossLayerRouting.make(np.random.default_rng(7), 3, 8, 2)
+rng = np.random.default_rng(0)
+for edit in ("pop", "num_experts"):
+    m = xl_ans.XlModel.empty(3, 8, 2)
+    m.count(src.sample(rng, 500)[0])
+    m = m.stored()
+    ids = src.sample(rng, 3000)[0]
+    words = xl_ans.encode(ids, m, 0)
+    if edit == "pop":
+        m.pop = np.zeros((1 << 20, 8), np.uint16)
+        l0 = 900000
+    else:
+        m.num_experts, l0 = 64, 0
+    try:
+        xl_ans.decode(words, ids.shape, np.uint8, m, l0)
+    except RecordError as e:
+        print(edit, "refused:", str(e)[:40])
+"""
+    p = run_py(["-c", code], timeout=120)
+    assert p.returncode == 0, (p.returncode, p.stderr[-500:])
+    assert p.stdout.count("refused: xl-ans model tables of shapes") == 2, p.stdout

@@ -533,9 +533,20 @@ def _set_members(e: int, k: int) -> np.ndarray:
 
 
 def _tables(model: XlModel) -> _Tables:
+    """The coder tables of ``model``, built once and kept on it; built anew (and its shapes
+    checked again) where the model's E, K or tables are no longer those they were built
+    from.
+
+    NOTE: the compiled coder indexes the tables unchecked, by the model's L, E and K as the
+    caller checked them: a model edited after use (another ``pop``, another
+    ``num_experts``) must not meet the tables of its old shapes (the attacker review: a
+    segfault)."""
+    source = (model.num_experts, model.top_k, model.flags, model.pop, model.pair, model.joint)
     t = model.__dict__.get("_tables")
-    if t is None:
+    if t is None or t.source[:2] != source[:2] or \
+            any(a is not b for a, b in zip(t.source[2:], source[2:])):
         t = model.__dict__["_tables"] = _Tables(model)
+        t.source = source
     return t
 
 

@@ -279,7 +279,7 @@ class SidecarWriter:
         self._own_counts: xl_ans.XlModel | None = None
         # the seed's model payload and the rows it was counted from, until its frame is
         # written or the stream's first records have shown that it does not pay
-        self._seed_pending: tuple[bytes, int] | None = None
+        self._seed_pending: "tuple[bytes, xl_ans.XlModel, int] | None" = None
         # NOTE: the writer thread counts records into _learn while a caller may copy it
         # (learned_model): the lock keeps the copy whole
         self._learn_lock = threading.Lock()
@@ -472,7 +472,9 @@ class SidecarWriter:
         payload = self._learn.stored().to_bytes()
         least, _ = xl_ans.payload_limits(s.num_moe_layers, s.num_experts, s.top_k)
         if len(payload) >= least:                 # else nothing worth a frame (near-empty)
-            self._seed_pending = (payload, rows)
+            # NOTE: parsed once: its coder tables are built once for every record it is tried on
+            self._seed_pending = (payload, xl_ans.XlModel.from_bytes(
+                payload, s.num_moe_layers, s.num_experts, s.top_k), rows)
 
     def _maybe_seed(self, record: RoutingRecord) -> Any:
         """Write the seed's model frame before ``record`` where it pays for itself on it,
@@ -486,16 +488,16 @@ class SidecarWriter:
         the stream's own first model is due (MODEL_FIRST_ROWS rows), then dropped: its
         counts still weigh in the candidates of :meth:`_maybe_model`."""
         assert self._seed_pending is not None and self._own_counts is not None
-        payload, seed_rows = self._seed_pending
-        s = self.schema
-        rec_rows = max(record.num_tokens - 1, 0) * s.num_moe_layers
+        payload, parsed, seed_rows = self._seed_pending
+        rec_rows = max(record.num_tokens - 1, 0) * self.schema.num_moe_layers
+        if not rec_rows:
+            return None                 # a one-token record: nothing a model could save
         if self._own_counts.rows_counted() + rec_rows >= MODEL_FIRST_ROWS:
             self._seed_pending = None                 # decided at this record either way
-        model = (self._pos, xl_ans.XlModel.from_bytes(payload, s.num_moe_layers,
-                                                      s.num_experts, s.top_k))
+        model = (self._pos, parsed)
         plain, coded = self._payload(record, None), self._payload(record, model)
         frame = len(payload) + 24
-        if (len(plain) - len(coded)) * seed_rows < frame * max(rec_rows, 1):
+        if (len(plain) - len(coded)) * seed_rows < frame * rec_rows:
             return plain
         self._emit(encode_frame(KIND_MODEL, payload))
         self._model = model
