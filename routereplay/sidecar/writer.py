@@ -137,9 +137,8 @@ class SidecarWriter:
             (what it saves on the record, times the seed's records, at least the frame's
             bytes): where the seed fits the stream's routing, its first records are then
             coded with a model (one stream per weight version otherwise relearns it each
-            time). A seed weighs at most as much
-            as 2^20 token-layer rows of the new stream (``SEED_ROWS``). The writer also
-            learns this stream's records alone and writes their model where it beats the
+            time). A seed weighs at most as much as 2^20 token-layer rows of the new stream
+            (``SEED_ROWS``). The writer also learns this stream's records alone and writes their model where it beats the
             seed's (routing that changed since the seed): a seed from other routing writes
             no frame and costs nothing (measured: the unseeded stream's bytes); one from
             routing whose statistics shifted strongly can cost a few % in short streams
@@ -479,7 +478,7 @@ class SidecarWriter:
     def _maybe_seed(self, record: RoutingRecord) -> Any:
         """Write the seed's model frame before ``record`` where it pays for itself on it,
         and return ``record``'s payload (under the seed's model where its frame was
-        written, else without a model).
+        written, else without a model; None for a one-token record, not tried).
 
         NOTE: the bet is the seed's stream: what the model saves on this record, times as
         many records as the seed was counted from (its rows over this record's), must pay
