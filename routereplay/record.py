@@ -9,6 +9,7 @@ token is never fed through the model, so it has no row.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
@@ -304,10 +305,11 @@ def first_bad_row(ids: np.ndarray, schema: RoutingSchema, sample_id: str, *, sta
             if k <= PAIRWISE_TOP_K:
                 # NOTE: K(K-1)/2 compares of columns cost less than a sort along a short
                 # last axis and its reduction (a fifth of a writer's time at top-2)
-                dup = c[..., 0] == c[..., 1]
-                for i in range(k):
-                    for j in range(max(i + 1, 2 if i == 0 else 0), k):
-                        dup |= c[..., i] == c[..., j]
+                pairs = itertools.combinations(range(k), 2)
+                i, j = next(pairs)
+                dup = c[..., i] == c[..., j]
+                for i, j in pairs:
+                    dup |= c[..., i] == c[..., j]
             else:
                 srt = np.sort(c, axis=-1)
                 dup = (srt[..., 1:] == srt[..., :-1]).any(-1)

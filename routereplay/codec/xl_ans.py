@@ -470,6 +470,7 @@ class _Tables:
 
     def __init__(self, m: XlModel):
         m.check_shapes(coding=True)
+        self.source = (m.num_experts, m.top_k, m.flags, m.pop, m.pair, m.joint)
         e, k, c = m.num_experts, m.top_k, m.joint.shape[1]
         nl = m.num_layers
         self.top_k = k
@@ -489,6 +490,13 @@ class _Tables:
             self.joint1 = None
             if k > 1 and 4 * nl * c * e * (e + 1) <= TABLES_MEMORY * table_bytes(nl, e, k):
                 self.joint1 = _cumulative(_exclude_one(self.joint))         # [L, C, E, E + 1]
+
+    def built_from(self, m: XlModel) -> bool:
+        """Whether these tables were built from ``m`` as it is now: the same E, K and table
+        arrays (a model edited after use needs new ones)."""
+        e, k, *arrays = self.source
+        return (e, k) == (m.num_experts, m.top_k) and all(
+            a is b for a, b in zip(arrays, (m.flags, m.pop, m.pair, m.joint)))
 
     def kernel_args(self) -> tuple:
         """The tables as routereplay.codec.xl_ans_jit's kernels take them (the cumulative
@@ -541,12 +549,9 @@ def _tables(model: XlModel) -> _Tables:
     caller checked them: a model edited after use (another ``pop``, another
     ``num_experts``) must not meet the tables of its old shapes (the attacker review: a
     segfault)."""
-    source = (model.num_experts, model.top_k, model.flags, model.pop, model.pair, model.joint)
     t = model.__dict__.get("_tables")
-    if t is None or t.source[:2] != source[:2] or \
-            any(a is not b for a, b in zip(t.source[2:], source[2:])):
+    if t is None or not t.built_from(model):
         t = model.__dict__["_tables"] = _Tables(model)
-        t.source = source
     return t
 
 
@@ -603,12 +608,12 @@ def section_work(ids: np.ndarray, num_experts: int) -> int:
     if t == 0:
         return 0
     # NOTE: rows differing in any column, column by column (an any() along the short last
-    # axis took a tenth of a writer's time), and the fresh rows of all layers summed at once
+    # axis took a tenth of a writer's time)
     differs = ids[1:, :, 0] != ids[:-1, :, 0]
     for j in range(1, k):
         differs |= ids[1:, :, j] != ids[:-1, :, j]
-    fresh = g + int(np.count_nonzero(differs))        # row 0 of each layer is fresh
-    return g * 2 * max(t - 1, 0) + fresh * k * num_experts
+    fresh = np.count_nonzero(differs, axis=0) + 1     # per layer; row 0 is always fresh
+    return sum(work(t, int(n), k, num_experts) for n in fresh)
 
 
 def _plan(ids: np.ndarray, model: XlModel, l0: int):
