@@ -490,17 +490,21 @@ def print_speed(lengths=(1024, 4096), layers=32):
 
 
 def print_xl_ans_speed(tokens=1024):
-    """xl-ans's two coders side by side on one record of the cross-layer source, in the
+    """xl-ans's coders side by side on one record of the cross-layer source, in the
     writer's geometry for records coded with a model (one section up to 64 KiB of ids, else
     512 tokens x 8 MoE layers), with a model learned from 4 earlier records: encode and
     decode MB/s of uint8-equivalent ids, one thread, best run; constriction
-    (ROUTEREPLAY_XL_ANS_JIT=0) and the numba kernels, which write the same bytes."""
-    from routereplay.codec import xl_ans
+    (ROUTEREPLAY_XL_ANS_JIT=0) and the numba kernels, which write the same bytes; both
+    layouts of the model: ``xl-ans`` (a flag and K ids a row) and, where it applies (top-1,
+    or top-2 of at most 8 experts), ``xl-ans-rows`` (one symbol a row), with its bytes
+    against ``xl-ans``'s."""
+    from routereplay.codec import xl_ans, xl_ans_rows
     print(f"\nxl-ans coders on one {tokens}-token record (MB/s of uint8-equivalent ids, one "
           "thread, best run; issue 3's targets: 50 / 200)")
-    print("| source | sections | constriction enc | constriction dec | numba enc | numba dec | same bytes |")
-    print("|---|---|---|---|---|---|---|")
-    for e, k, nl in ((8, 2, 32), (16, 4, 16), (64, 6, 16)):
+    print("| source | sections | layout | constriction enc | constriction dec | numba enc "
+          "| numba dec | same bytes | bytes / xl-ans |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for e, k, nl in ((8, 2, 32), (8, 1, 32), (16, 4, 16), (64, 6, 16), (64, 1, 16)):
         src = CrossLayerRouting.make(np.random.default_rng(7), nl, e, k)
         rng = np.random.default_rng(1)
         m = xl_ans.XlModel.empty(nl, e, k)
@@ -511,19 +515,26 @@ def print_xl_ans_speed(tokens=1024):
         b, g = (tokens, nl) if x.nbytes <= 65536 else (512, 8)
         parts = [(np.ascontiguousarray(x[r0:r0 + b, l0:l0 + g]), l0)
                  for l0 in range(0, nl, g) for r0 in range(0, tokens, b)]
-        cells, outs = [], []
-        for flag in ("0", "1"):
-            os.environ[xl_ans.JIT_ENV] = flag
-            xl_ans.encode(parts[0][0], model, parts[0][1])             # numba: compile
-            te, blobs = _best(lambda: [xl_ans.encode(p, model, l0) for p, l0 in parts])
-            td, got = _best(lambda: [xl_ans.decode(bl, p.shape, np.uint8, model, l0)
-                                     for bl, (p, l0) in zip(blobs, parts)])
-            assert all(np.array_equal(a, p) for a, (p, _) in zip(got, parts))
-            cells += [f"{x.size / te / 1e6:.1f}", f"{x.size / td / 1e6:.1f}"]
-            outs.append(blobs)
-        os.environ.pop(xl_ans.JIT_ENV)
-        print(f"| cross-layer E={e} k={k} L={nl} | {len(parts)} ({b}x{g}) | " + " | ".join(cells)
-              + f" | {outs[0] == outs[1]} |", flush=True)
+        layouts = [("xl-ans", xl_ans)]
+        if xl_ans_rows.applies(nl, e, k):
+            layouts.append(("xl-ans-rows", xl_ans_rows))
+        size = None
+        for name, mod in layouts:
+            cells, outs = [], []
+            for flag in ("0", "1"):
+                os.environ[xl_ans.JIT_ENV] = flag
+                mod.encode(parts[0][0], model, parts[0][1])             # numba: compile
+                te, blobs = _best(lambda: [mod.encode(p, model, l0) for p, l0 in parts])
+                td, got = _best(lambda: [mod.decode(bl, p.shape, np.uint8, model, l0)
+                                         for bl, (p, l0) in zip(blobs, parts)])
+                assert all(np.array_equal(a, p) for a, (p, _) in zip(got, parts))
+                cells += [f"{x.size / te / 1e6:.1f}", f"{x.size / td / 1e6:.1f}"]
+                outs.append(blobs)
+            os.environ.pop(xl_ans.JIT_ENV)
+            n = sum(len(bl) for bl in outs[1])
+            size = size or n
+            print(f"| cross-layer E={e} k={k} L={nl} | {len(parts)} ({b}x{g}) | {name} | "
+                  + " | ".join(cells) + f" | {outs[0] == outs[1]} | {n / size:.4f} |", flush=True)
 
 
 def print_file_grid(lengths=(64, 256, 1024, 4096), layers=8, codecs=("xl-zstd", "ctx-zstd")):
@@ -556,7 +567,8 @@ def print_file_grid(lengths=(64, 256, 1024, 4096), layers=8, codecs=("xl-zstd", 
 
 
 def _stream_codecs(stream: bytes) -> tuple[int, int, int, int]:
-    """(model frames, their bytes, xl-ans routing sections, routing sections) of a stream."""
+    """(model frames, their bytes, xl-ans or xl-ans-rows routing sections, routing sections)
+    of a stream."""
     from routereplay.sidecar.layout import KIND_MODEL, parse_frame_header
     r = SidecarReader(stream)
     models = mbytes = 0
@@ -575,7 +587,7 @@ def _stream_codecs(stream: bytes) -> tuple[int, int, int, int]:
         ends = r._table_ends(g, r._payload(h, g.head_len, h.body_at), h.payload_len - h.body_at)
         for i in range(g.n_routing):
             n += 1
-            xa += codecs[stream[body + int(ends[i]) + 4]] == "xl-ans"
+            xa += codecs[stream[body + int(ends[i]) + 4]] in ("xl-ans", "xl-ans-rows")
     return models, mbytes, xa, n
 
 

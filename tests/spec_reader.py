@@ -286,6 +286,76 @@ def xl_ans(blob, t, g_count, k, e, l0, ctx):
     return [[rows[lp][row] for lp in range(g_count)] for row in range(t)]   # [T][G][K]
 
 
+def xl_ans_rows(blob, t, g_count, k, e, l0, ctx):
+    """An `xl-ans-rows` section -> [t][g_count][K]; l0 = its first MoE layer position."""
+    assert ctx is not None, "xl-ans-rows outside a version-3 record"
+    assert k in (1, 2) and 2 <= e <= 64 and l0 + g_count <= ctx["lmoe"]
+    a = e if k == 1 else e * (e - 1)
+    c = binom(e, k) if binom(e, k) * e <= 8192 else 0
+    assert a <= 64 and c > 0, "xl-ans-rows: top-1, or top-2 with E <= 8"
+    assert ctx["lmoe"] * (2 * c + 1) * (4 * (a + 2) + 256) <= 8 << 20, "row tables too large"
+    assert t * g_count * k <= 8 * len(blob) + min(65536, 8 * len(blob)), "expansion"
+    o, pos = varint(blob, 0)
+    words = blob[pos:]
+    assert len(words) >= 32 * g_count, "below the floor of 32 bytes per layer"
+    assert o < ctx.get("record", o + 1), "a model frame precedes the record naming it"
+    m = model_at(ctx, o)
+    assert len(ctx["models"]) <= 16, "more than 16 model frames named"
+    tuples = [(x,) for x in range(e)] if k == 1 else \
+        [(x, y) for x in range(e) for y in range(e) if x != y]
+    cache = {}
+
+    def row_freqs(l, x, up):
+        """Frequencies of the 1 + A row symbols at layer l, flag context x, ids one layer
+        up ``up`` (None at the section's first layer)."""
+        key = (l, x, None if up is None else tuple(sorted(up)))
+        if key not in cache:
+            if up is None:
+                b = m.p[l]
+            else:
+                s = [sum(m.xn[l][ui][y] for ui in up) for y in range(e)]
+                jr = m.j[l][sum(binom(si, i + 1) for i, si in enumerate(sorted(up)))]
+                b = [jr[y] * 65536 + 4 * s[y] for y in range(e)]
+            f0 = freqs([v + 1 for v in b])
+            p = []
+            for tu in tuples:
+                if k == 1:
+                    p.append(f0[tu[0]])
+                else:
+                    w = [v + 1 for v in b]
+                    w[tu[0]] = 1
+                    p.append(f0[tu[0]] * freqs(w)[tu[1]] // (1 << 24))
+            g = m.flag_f[l][x]
+            cache[key] = freqs([g[1] * 1024 + 1] + [pi * g[0] // (1 << 14) + 1 for pi in p])
+        return cache[key]
+
+    dec = Ans(words)
+    rows, prev_flags, work = [], None, 0
+    for lp in range(g_count):
+        l = l0 + lp
+        work += t * (1 + a)
+        assert work <= 256 * len(words), "coder work beyond 256 per byte of words"
+        layer, flags = [], []
+        for row in range(t):
+            if lp == 0:
+                f = row_freqs(l, 2, None)
+            else:
+                f = row_freqs(l, prev_flags[row], rows[lp - 1][row])
+            sym = dec.decode(f)
+            if sym == 0:
+                assert row > 0, "row 0 coded as a repeat"
+                layer.append(list(layer[row - 1]))
+            else:
+                layer.append(list(tuples[sym - 1]))
+                assert row == 0 or layer[row] != layer[row - 1], \
+                    "fresh row equal to the previous row"
+            flags.append(1 if sym == 0 else 0)
+        rows.append(layer)
+        prev_flags = flags
+    assert dec.decode([65536] * 256) == 0xA5 and dec.empty(), "end marker"
+    return [[rows[lp][row] for lp in range(g_count)] for row in range(t)]   # [T][G][K]
+
+
 def varint(buf, pos):
     """-> (value, position after it): unsigned LEB128, at most 10 bytes."""
     n = shift = 0
@@ -307,10 +377,13 @@ def string(buf, pos):
 def routing_part(codec, blob, t, g_count, k, e, l0=0, ctx=None):
     """One routing section (any version) -> [t][g_count][K].
 
-    ``l0`` and ``ctx`` (the stream, for model frames) only for `xl-ans` (version 3)."""
+    ``l0`` and ``ctx`` (the stream, for model frames) only for `xl-ans` and `xl-ans-rows`
+    (version 3)."""
     item = 1 if e <= 256 else 2
     if codec == "xl-ans":
         return xl_ans(blob, t, g_count, k, e, l0, ctx)
+    if codec == "xl-ans-rows":
+        return xl_ans_rows(blob, t, g_count, k, e, l0, ctx)
     if codec == "ctx-zstd":
         return ctx_zstd(blob, t, g_count, k, e)
     if codec == "xl-zstd":
@@ -388,7 +461,7 @@ def record_v3(payload, pcrc, header, lmoe, k, e, ctx=None):
             g, b = divmod(i, n_blocks)
             l0, l1 = g * g_size, min(lmoe, (g + 1) * g_size)
             r0, r1 = b * b_rows, min(t, (b + 1) * b_rows)
-            model = varint(blob, 0)[0] if codec == "xl-ans" else None
+            model = varint(blob, 0)[0] if codec in ("xl-ans", "xl-ans-rows") else None
             rec["section_codecs"].append((codec, l0, r0, model))
             part = routing_part(codec, blob, r1 - r0, l1 - l0, k, e, l0, ctx)
             for row in range(r0, r1):

@@ -14,18 +14,26 @@ from routereplay.errors import SidecarError
 from routereplay.record import RoutingRecord
 from routereplay.schema import RoutingSchema
 from routereplay.sidecar import SidecarReader, SidecarWriter
+from routereplay.sidecar import writer as writer_module
 from routereplay.testing import CrossLayerRouting
 from tests import spec_reader
 
 # (L_moe, E, K, record lengths): C = binom(8, 2) = 28 > 0 (joint table), then records too
 # short for xl-ans (its floor); E=16 K=4: C = 0 (1820 x 16 > 8192); the last record of the third is a
 # grid (1400 x 12 x 4 > 65536 id bytes: 3 token blocks x 2 layer groups of 8, so l0 = 8).
+# Top-2 of 8 experts is coded xl-ans-rows; "-cols" cases are written with xl-ans alone (as
+# before xl-ans-rows; their streams must still read), E8K3 has a joint table and columns.
 CASES = {
     "E8K2": (6, 8, 2, (300,) * 90 + (1, 2, 3, 17)),
+    "E8K2-cols": (6, 8, 2, (300,) * 40 + (1, 17)),
+    "E8K1": (5, 8, 1, (300,) * 40 + (1, 2)),
+    "E8K3": (6, 8, 3, (300,) * 40),
     "E16K4": (6, 16, 4, (300,) * 30),
     "grid": (12, 16, 4, (300,) * 10 + (1400,)),
     "gridE8": (10, 8, 2, (300,) * 15 + (3400,)),     # 3400 x 10 x 2 > 65536, C > 0
 }
+ROWS = {"E8K2", "E8K1", "gridE8"}                     # cases whose sections are xl-ans-rows
+XL = ("xl-ans", "xl-ans-rows")
 
 
 @lru_cache(maxsize=None)
@@ -35,7 +43,15 @@ def build(case):
     rng = np.random.default_rng(11)
     src = CrossLayerRouting.make(np.random.default_rng(7), lmoe, e, k)
     schema = RoutingSchema(lmoe + 1, tuple(range(1, lmoe + 1)), k, e)
-    w = SidecarWriter(None, schema, codec="xl-ans", background=False)
+    table = writer_module.codec_table
+    if case.endswith("-cols"):
+        # NOTE: the codec table of writers before xl-ans-rows: sections take xl-ans
+        writer_module.codec_table = lambda c: ("xl-ans", "xl-zstd", "ctx-zstd", "raw-lm",
+                                               "zstd", "raw")
+    try:
+        w = SidecarWriter(None, schema, codec="xl-ans", background=False)
+    finally:
+        writer_module.codec_table = table
     ids_in = []
     for i, t in enumerate(lens):
         ids, _ = src.sample(rng, t)
@@ -69,8 +85,9 @@ def test_spec_reader_reads_xl_ans(case):
     assert header["codecs"][0] == "xl-ans"
     models = [off for off, kind, _ in frames(data) if kind == 3]
     assert models, "the writer wrote no model frame"
-    used = [s for r in records for s in r["section_codecs"] if s[0] == "xl-ans"]
+    used = [s for r in records for s in r["section_codecs"] if s[0] in XL]
     assert len(used) >= 5, "too few xl-ans sections to test anything"
+    assert {s[0] for s in used} == {"xl-ans-rows" if case in ROWS else "xl-ans"}
     assert {s[3] for s in used} <= set(models)
     assert [r["sample_id"] for r in records] == [f"s{i}" for i in range(len(ids_in))]
     for rec, ids in zip(records, ids_in):
@@ -81,8 +98,8 @@ def test_spec_reader_reads_xl_ans(case):
         grid = records[-1]["section_codecs"]
         t = CASES[case][3][-1]
         assert len(grid) == 2 * -(-t // 512)          # layer groups of 8, token blocks of 512
-        assert any(s[0] == "xl-ans" and s[1] == 8 for s in grid)
-        assert any(s[0] == "xl-ans" and s[2] > 0 for s in grid)
+        assert any(s[0] in XL and s[1] == 8 for s in grid)
+        assert any(s[0] in XL and s[2] > 0 for s in grid)
     # routereplay's reader agrees
     r = SidecarReader(data)
     for i, ids in enumerate(ids_in):
@@ -91,12 +108,12 @@ def test_spec_reader_reads_xl_ans(case):
 
 def xl_ans_record(case):
     """-> (sample id, frame offset, section data offset, data length) of a one-section
-    record whose section is xl-ans."""
+    record whose section is xl-ans or xl-ans-rows."""
     data, _ = build(case)
     _, records = spec_read(case)
     rec_frames = [f for f in frames(data) if f[1] == 1]
     for rec, (off, _, plen) in zip(records, rec_frames):
-        if len(rec["section_codecs"]) == 1 and rec["section_codecs"][0][0] == "xl-ans":
+        if len(rec["section_codecs"]) == 1 and rec["section_codecs"][0][0] in XL:
             m, pos = spec_reader.varint(data, off + 24)
             sec = pos + m                     # S = 1: no table; crc (4), codec (1), data
             return rec["sample_id"], off, sec + 5, off + 24 + plen - sec - 5
@@ -144,9 +161,10 @@ def test_model_with_wrong_shape_is_refused():
     refused(bytes(b), sid)
 
 
-def test_model_offset_must_name_a_model_frame():
-    data, _ = build("E8K2")
-    sid, rec_off, sec, n = xl_ans_record("E8K2")
+@pytest.mark.parametrize("case", ["E8K2", "E8K2-cols"])
+def test_model_offset_must_name_a_model_frame(case):
+    data, _ = build(case)
+    sid, rec_off, sec, n = xl_ans_record(case)
     o, pos = spec_reader.varint(data, sec)
     (j,) = struct.unpack("<I", data[12:16])
     for bad in (rec_off, 20 + j - 24, o + 1):     # a record frame, the header, not a frame
@@ -155,10 +173,11 @@ def test_model_offset_must_name_a_model_frame():
         refused(with_section_data(data, sec, n, enc), sid)
 
 
-def test_corrupt_words_are_refused():
+@pytest.mark.parametrize("case", ["E8K2", "E8K2-cols", "E8K1"])
+def test_corrupt_words_are_refused(case):
     """Words changed (section CRC fixed) fail the decoder's own checks."""
-    data, _ = build("E8K2")
-    sid, _, sec, n = xl_ans_record("E8K2")
+    data, _ = build(case)
+    sid, _, sec, n = xl_ans_record(case)
     pos = spec_reader.varint(data, sec)[1]
     for at in (pos, pos + (sec + n - pos) // 2, sec + n - 5):
         new = bytearray(data[sec:sec + n])
@@ -212,6 +231,6 @@ def test_model_payload_size_limits():
     refused(with_payload(payload + skip), sid)
     same = with_payload(payload)                               # the control: read by both
     _, records = spec_reader.read_stream(same)
-    assert any(s[0] == "xl-ans" for r in records for s in r["section_codecs"])
+    assert any(s[0] in XL for r in records for s in r["section_codecs"])
     big = with_payload(payload + bytes(n + n // 64 + 64 + 1 - len(payload)))
     refused(big, sid)

@@ -133,6 +133,8 @@ def warm_up() -> bool:
     m.count(x)
     model = XlModel.from_bytes(m.stored().to_bytes(), 2, 8, 2)
     decode(encode(x, model, 0), x.shape, np.uint8, model, 0)
+    from routereplay.codec import xl_ans_rows       # NOTE: it imports this module
+    xl_ans_rows.decode(xl_ans_rows.encode(x, model, 0), x.shape, np.uint8, model, 0)
     return True
 
 

@@ -497,3 +497,144 @@ def encode_section(ids, l0, flags, pop, cpop0, cpop1, succ, joint, cjoint0, cjoi
         out[w] = np.uint32(state)
         w += 1
     return out[:w]
+
+
+# -- xl-ans-rows (routereplay.codec.xl_ans_rows): one symbol per row -----------------------
+
+
+@_njit
+def row_guides(cum, a2, bits):
+    """cum int32 [n * a2] (n contexts' cumulative frequencies, a2 entries each) -> guide
+    uint8 [n * 2^bits]: per context and slice j, the symbol whose interval holds
+    j * 2^(24 - bits) (routereplay.codec.xl_ans_rows.RowTables.guide)."""
+    n = cum.shape[0] // a2
+    nb = 1 << bits
+    out = np.empty(n * nb, dtype=np.uint8)
+    for c in range(n):
+        s = 0
+        for j in range(nb):
+            q = j << (PRECISION - bits)
+            while q >= cum[c * a2 + s + 1]:
+                s += 1
+            out[c * nb + j] = s
+    return out
+
+
+@_njit
+def decode_rows(words, t, g, l0, cum, guide, nctx, first, second, rank, symbol, layer_work,
+                budget, out):
+    """Decode an ``xl-ans-rows`` section's ``words`` uint32 [W] (W >= 1, last word nonzero)
+    into out uint8 [T, G, K] (K 1 or 2), with the row tables of
+    routereplay.codec.xl_ans_rows.RowTables.kernel_args (cum int32 [L * X * (A + 2)],
+    guide uint8 [L * X * 256], X = ``nctx`` contexts a layer; first, second, rank int64
+    [1 + A]; ``symbol`` unused). ``layer_work``: the coder work of a layer, ``budget``:
+    the work allowed.
+
+    Returns (error code, the MoE layer it was met at): (OK, -1) or one of ENDS_EARLY,
+    OVER_BUDGET, FRESH_REPEATS, FIRST_REPEATS (6), BAD_END (the layer -1).
+
+    NOTE: a symbol is found by its context's guide (the symbol at the start of q's 2^16
+    slice of the range), then a step up while q is past its interval: one lookup, rarely
+    a step, where ``decode_section`` compares E - 1 starts per column."""
+    r = words.shape[0]
+    state = np.uint64(words[r - 1])
+    r -= 1
+    if r > 0:
+        state = (state << np.uint64(32)) | np.uint64(words[r - 1])
+        r -= 1
+    mask = np.uint64(_MASK)
+    k = out.shape[2]
+    a2 = first.shape[0] + 1                   # A + 2 cumulative entries a context
+    nsets = (nctx - 1) // 2
+    up = np.zeros(t, dtype=np.int64)          # the context of row t one layer up, in-layer
+    spent = 0
+    for lp in range(g):
+        lyr = l0 + lp
+        spent += layer_work
+        if spent > budget:
+            return OVER_BUDGET, lyr
+        if t > 0 and state == 0 and r == 0:
+            return ENDS_EARLY, lyr
+        base = lyr * nctx
+        prev = 0
+        for row in range(t):
+            ctx = base + (nctx - 1 if lp == 0 else up[row])
+            qi = np.int64(state & mask)
+            # NOTE: GUIDE_BITS = 8: slices of 2^16 of the range 2^24
+            s = np.int64(guide[(ctx << 8) + (qi >> 16)])
+            b = ctx * a2
+            while qi >= cum[b + s + 1]:
+                s += 1
+            c0 = np.int64(cum[b + s])
+            state = (state >> np.uint64(PRECISION)) * np.uint64(np.int64(cum[b + s + 1]) - c0) \
+                + np.uint64(qi - c0)
+            if state < (np.uint64(1) << np.uint64(32)) and r > 0:
+                state = (state << np.uint64(32)) | np.uint64(words[r - 1])
+                r -= 1
+            if s == 0:
+                if row == 0:
+                    return 6, lyr
+                s = prev
+                up[row] = nsets + rank[s]
+            else:
+                if s == prev:
+                    return FRESH_REPEATS, lyr
+                up[row] = rank[s]
+            out[row, lp, 0] = first[s]
+            if k == 2:
+                out[row, lp, 1] = second[s]
+            prev = s
+    if state == 0 and r == 0:
+        return BAD_END, -1
+    q = state & mask
+    marker = q >> np.uint64(16)
+    state, r = _advance(words, state, r, np.uint64(1 << 16), q - (marker << np.uint64(16)))
+    if marker != END_MARKER or state != 0 or r != 0:
+        return BAD_END, -1
+    return OK, -1
+
+
+@_njit
+def encode_rows(ids, l0, cum, guide, nctx, first, second, rank, symbol):
+    """ids uint8 [T, G, K] (checked by the caller: ids < E, distinct in a row; K 1 or 2)
+    -> the words uint32 [W] of an ``xl-ans-rows`` section, exactly what the constriction
+    path writes (tables as :func:`decode_rows` takes them)."""
+    t, g, k = ids.shape
+    a2 = first.shape[0] + 1
+    nsets = (nctx - 1) // 2
+    sym = np.empty((t, g), dtype=np.int64)
+    ctx = np.empty((t, g), dtype=np.int64)
+    for lp in range(g):
+        prev = 0
+        for row in range(t):
+            s = symbol[ids[row, lp, 0], ids[row, lp, k - 1] if k == 2 else 0]
+            fresh = s
+            if row and s == prev:
+                # NOTE: for top-2 the symbol is the ordered pair: equal symbols, equal rows
+                fresh = 0
+            sym[row, lp] = fresh
+            prev = s
+    for lp in range(g):
+        base = (l0 + lp) * nctx
+        for row in range(t):
+            if lp == 0:
+                ctx[row, lp] = base + nctx - 1
+            else:
+                s = symbol[ids[row, lp - 1, 0], ids[row, lp - 1, k - 1] if k == 2 else 0]
+                ctx[row, lp] = base + rank[s] + (nsets if sym[row, lp - 1] == 0 else 0)
+    out = np.empty(t * g + 3, dtype=np.uint32)      # at most one word a symbol, and the state
+    w = 0
+    state, w = _push(out, w, np.uint64(0), np.uint64(1 << 16), np.uint64(END_MARKER << 16))
+    for lp in range(g - 1, -1, -1):
+        for row in range(t - 1, -1, -1):
+            b = ctx[row, lp] * a2 + sym[row, lp]
+            c0 = np.int64(cum[b])
+            state, w = _push(out, w, state, np.uint64(np.int64(cum[b + 1]) - c0), np.uint64(c0))
+    if state > np.uint64(0xFFFFFFFF):
+        out[w] = np.uint32(state & np.uint64(0xFFFFFFFF))
+        out[w + 1] = np.uint32(state >> np.uint64(32))
+        w += 2
+    elif state:
+        out[w] = np.uint32(state)
+        w += 1
+    return out[:w]

@@ -51,7 +51,8 @@ ARRAY_CODECS = ("zstd", "raw")
 # (over 128x) is stored raw. The ANS codecs get the lowest factors: ctx-ans decodes at
 # 5-90 MB/s of ids, xl-ans at 12-68 with numba (2-10 with constriction: E entries a
 # symbol), ctx-zstd at 60-2000 MB/s.
-EXPANSION = {"ctx-ans": 16, "ctx-ans-sorted": 16, "xl-ans": 8, "ctx-zstd": 64, "xl-zstd": 64,
+EXPANSION = {"ctx-ans": 16, "ctx-ans-sorted": 16, "xl-ans": 8, "xl-ans-rows": 8, "ctx-zstd": 64,
+             "xl-zstd": 64,
              "zstd-lm": 64,
              "raw-lm": 1, "zstd": 64, "raw": 1}
 EXPANSION_SLACK = 64 << 10             # the most slack bytes a section gets
@@ -327,6 +328,8 @@ def encode_record_payload(record: RoutingRecord, schema: RoutingSchema,
     ids = np.sort(record.expert_ids, axis=-1) if column_order == "sorted" else record.expert_ids
     t, nl = ids.shape[0], schema.num_moe_layers
     base = "xl-zstd" if codec == "xl-ans" else codec
+    rows = codec == "xl-ans" and model is not None and "xl-ans-rows" in cid and \
+        _codec.xl_ans_rows.applies(nl, schema.num_experts, schema.top_k)
     grid, b_rows, g_layers, blobs = grid_sections(ids, base, schema.num_experts, token_block,
                                                   layer_group or DEFAULT_LAYER_GROUP,
                                                   one_section_bytes, min_section_bytes)
@@ -338,16 +341,7 @@ def encode_record_payload(record: RoutingRecord, schema: RoutingSchema,
         sec = (base, blob, part.nbytes) if section_fits(base, part.nbytes, len(blob)) \
             else _encode_routing(part, base, schema.num_experts)
         if codec == "xl-ans" and model is not None:
-            # NOTE: xl-ans is kept only where smaller than the xl-zstd section: the bound
-            # by zstd-19 (xl-zstd's mode 2) carries over.
-            xa = _codec.encode(np.ascontiguousarray(part), "xl-ans", schema.num_experts,
-                               model=model, moe_layer0=g * g_layers)
-            words = len(xa) - len(varint(model[0]))
-            if len(xa) < len(sec[1]) and section_fits("xl-ans", part.nbytes, len(xa)) \
-                    and words >= _codec.xl_ans.least_bytes(part.shape[1], part.shape[2]) \
-                    and _codec.xl_ans.section_work(part, schema.num_experts) \
-                    <= _codec.xl_ans.WORK_PER_BYTE * words:
-                sec = ("xl-ans", xa, part.nbytes)
+            sec = _xl_ans_section(part, g * g_layers, schema, model, sec, rows)
         secs.append(sec)
     arrays: list[tuple[str, int]] = []
     if record.token_ids is not None:
@@ -660,6 +654,38 @@ def decode_head(head: bytes | memoryview, schema: RoutingSchema, payload_len: in
 def section_crc(index: int, codec_byte: int, data: bytes | memoryview) -> int:
     """CRC-32 of a version-3 section: over its u32 index, its codec byte and its data."""
     return zlib.crc32(data, zlib.crc32(_U32.pack(index) + bytes([codec_byte]))) & 0xFFFFFFFF
+
+
+def _xl_ans_section(part: np.ndarray, l0: int, schema: RoutingSchema,
+                    model: tuple[int, Any], fallback: tuple[str, bytes, int],
+                    rows: bool) -> tuple[str, bytes, int]:
+    """The section (codec, data, decoded bytes) of ids ``part`` [T, G, K] (MoE layers from
+    ``l0``) under an ``xl-ans`` model (frame offset, XlModel): ``xl-ans-rows`` where
+    ``rows`` and it fits the reader's floor and work limit, else ``xl-ans`` where that
+    fits them, kept only where smaller than ``fallback`` (the ``xl-zstd`` section: its
+    bound by zstd-19 carries over) and within the expansion limit.
+
+    NOTE: both layouts code the same model (sizes within 0.1 %); rows decode 2-3x faster
+    but cost 1 + A work units a row, so repetitive routing (under about 1.8 bits a row at
+    E=8 top-2) takes ``xl-ans``, whose repeats cost 2."""
+    e, ref = schema.num_experts, len(varint(model[0]))
+    part = np.ascontiguousarray(part)
+    if rows and len(fallback[1]) > ref + _codec.xl_ans_rows.least_bytes(part.shape[1]):
+        xa = _codec.encode(part, "xl-ans-rows", e, model=model, moe_layer0=l0)
+        words = len(xa) - ref
+        if words >= _codec.xl_ans_rows.least_bytes(part.shape[1]) and \
+                _codec.xl_ans_rows.section_work(part.shape, e) <= \
+                _codec.xl_ans_rows.WORK_PER_BYTE * words:
+            if len(xa) < len(fallback[1]) and section_fits("xl-ans-rows", part.nbytes, len(xa)):
+                return "xl-ans-rows", xa, part.nbytes
+            return fallback
+    xa = _codec.encode(part, "xl-ans", e, model=model, moe_layer0=l0)
+    words = len(xa) - ref
+    if len(xa) < len(fallback[1]) and section_fits("xl-ans", part.nbytes, len(xa)) \
+            and words >= _codec.xl_ans.least_bytes(part.shape[1], part.shape[2]) \
+            and _codec.xl_ans.section_work(part, e) <= _codec.xl_ans.WORK_PER_BYTE * words:
+        return "xl-ans", xa, part.nbytes
+    return fallback
 
 
 def open_section(grid: Grid, i: int, raw: memoryview, codecs: tuple[str, ...],

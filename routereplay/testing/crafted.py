@@ -579,3 +579,54 @@ def xl_ans_calls_at_floor(schema: RoutingSchema, nbytes: int = MiB, num_layers: 
 
 
 CASES["xl-ans coder calls at the floor"] = xl_ans_calls_at_floor
+
+
+def xl_ans_rows_at_work_limit(schema: RoutingSchema, nbytes: int = MiB, rows: int = 16384,
+                              seed: int = 18) -> bytes:
+    """xl-ans-rows (issue 18, the row layout): the most row work per stored byte its
+    reader allows (256 units a byte, a row's 1 + A = 57 at E=8 top-2). One MoE layer, top-2
+    of E=8: rows repeat the row before with the largest probability whose section still
+    fits the work limit, fresh rows are random pairs of 4 experts, and the model is counted
+    from the rows themselves. Records of ``rows`` rows, one valid ``xl-ans-rows`` section
+    each; each row costs the constriction path a gather of 57 parameters and a 57-entry
+    per-symbol model. Every record reads back exactly as encoded. ``schema`` is ignored."""
+    from routereplay.codec import xl_ans, xl_ans_rows
+    from routereplay.sidecar.layout import KIND_MODEL, varint
+    e, k, nl = 8, 2, 1
+    sch = RoutingSchema(nl, tuple(range(nl)), k, e)
+    codecs = ("xl-ans", "xl-ans-rows", "xl-zstd", "ctx-zstd", "raw-lm", "zstd", "raw")
+    head = encode_header(sch, "xl-ans", codecs=codecs, stream_id="00" * 8)
+    off = len(head)
+    for p in np.arange(0.9, 0.0, -0.05):              # the most repeats that fit the limit
+        rng = np.random.default_rng(seed)
+        pairs = np.argsort(rng.random((rows, 4)), axis=-1)[:, :2]
+        rep = rng.random(rows) < p
+        ids = np.empty((rows, nl, k), dtype=np.uint8)
+        for t in range(rows):
+            ids[t, 0] = ids[t - 1, 0] if t and rep[t] else pairs[t]
+        m = xl_ans.XlModel.empty(nl, e, k)
+        m.count(ids)
+        m = m.stored()
+        least, _ = xl_ans.payload_limits(nl, e, k)
+        while len(m.to_bytes()) < least:             # the unused pair table: padding
+            m.pair[0] = rng.integers(0, 1 << 16, m.pair[0].shape)
+        payload = m.to_bytes()
+        model = xl_ans.XlModel.from_bytes(payload, nl, e, k)
+        words = xl_ans_rows.encode(ids, model, 0)
+        if xl_ans_rows.section_work(ids.shape, e) <= xl_ans_rows.WORK_PER_BYTE * len(words):
+            break
+    sec = varint(off) + words
+    assert _payload.section_fits("xl-ans-rows", ids.nbytes, len(sec))
+    out = [head, encode_frame(KIND_MODEL, payload)]
+    pos = off + len(out[1])
+    i = 0
+    while pos < nbytes or i == 0:
+        frame = encode_frame(KIND_RECORD, _payload.assemble(
+            _payload.encode_meta(f"w{i:07d}", rows), [(1, sec)]))
+        out.append(frame)
+        pos += len(frame)
+        i += 1
+    return b"".join(out)
+
+
+CASES["xl-ans-rows rows at the work limit"] = xl_ans_rows_at_work_limit

@@ -1,0 +1,246 @@
+"""``xl-ans-rows``: the ``xl-ans`` model coded one symbol per row (routereplay.codec
+.xl_ans_rows; docs/FORMAT.md "xl-ans-rows"). Both coders (numba kernels, constriction) write
+the same words and refuse the same corrupt sections; the writer picks it per section where it
+applies. The spec reader's side: tests/test_xl_ans_spec.py."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from routereplay import codec
+from routereplay.codec import xl_ans, xl_ans_rows
+from routereplay.errors import RecordError, SidecarError
+from routereplay.record import RoutingRecord
+from routereplay.schema import RoutingSchema
+from routereplay.sidecar import SidecarReader, write_records
+from routereplay.sidecar import writer as writer_module
+from routereplay.testing import CrossLayerRouting
+
+
+def _source(nl=6, e=8, k=2, **kw):
+    return CrossLayerRouting.make(np.random.default_rng(7), nl, e, k, **kw)
+
+
+def _model(src, rng, records=3, t=300):
+    m = xl_ans.XlModel.empty(src.num_layers, src.num_experts, src.top_k)
+    for _ in range(records):
+        m.count(src.sample(rng, t)[0])
+    return xl_ans.XlModel.from_bytes(m.stored().to_bytes(), src.num_layers, src.num_experts,
+                                     src.top_k)
+
+
+def _on_path(monkeypatch, path: str, fn):
+    monkeypatch.setenv(xl_ans.JIT_ENV, "1" if path == "compiled" else "0")
+    try:
+        return fn()
+    finally:
+        monkeypatch.delenv(xl_ans.JIT_ENV)
+
+
+def _outcome(fn):
+    try:
+        return fn()
+    except SidecarError as e:
+        return f"refused: {e}"
+
+
+def test_which_schemas_it_codes():
+    """Top-1 (E <= 64) and top-2 of at most 8 experts, tables within 8 MiB a model."""
+    assert xl_ans_rows.applies(32, 8, 2) and xl_ans_rows.applies(32, 2, 1)
+    assert xl_ans_rows.applies(64, 64, 1)
+    assert not xl_ans_rows.applies(32, 9, 2)          # 72 ordered pairs
+    assert not xl_ans_rows.applies(32, 8, 3) and not xl_ans_rows.applies(32, 16, 4)
+    assert not xl_ans_rows.applies(400, 8, 2)         # 400 x 57 x 488 bytes > 8 MiB
+    assert xl_ans_rows.table_bytes(32, 8, 2) == 32 * 57 * (4 * 58 + 256)
+    m = xl_ans.XlModel.empty(400, 8, 2)
+    with pytest.raises(RecordError, match="xl-ans-rows codes"):
+        xl_ans_rows.encode(np.zeros((0, 1, 2), np.uint8), m, 0)
+    with pytest.raises(SidecarError, match="does not code"):
+        xl_ans_rows.decode(bytes(64), (1, 1, 2), np.uint8, m.stored(), 0)
+
+
+@pytest.mark.parametrize("e,k,nl", [(8, 2, 5), (3, 2, 3), (2, 1, 3), (8, 1, 4), (64, 1, 2)])
+def test_both_coders_write_the_same_words_and_read_them(monkeypatch, e, k, nl):
+    """0-600 rows, every first layer, and rows of one repeated id pair: the numba kernels
+    and constriction write the same words, and both read them back."""
+    src = _source(nl, e, k)
+    rng = np.random.default_rng(e * 10 + k)
+    model = _model(src, rng)
+    for t in (0, 1, 2, 37, 600):
+        x = src.sample(rng, t)[0] if t else np.zeros((0, nl, k), np.uint8)
+        if t == 37:
+            x[5:20] = x[4]                                   # long repeats
+        for l0 in range(nl):
+            xs = np.ascontiguousarray(x[:, l0:], dtype=np.uint8)
+            a, b = (_on_path(monkeypatch, p, lambda: xl_ans_rows.encode(xs, model, l0))
+                    for p in ("compiled", "constriction"))
+            assert a == b, (t, l0)
+            if len(a) < xl_ans_rows.least_bytes(xs.shape[1]):
+                with pytest.raises(SidecarError, match="floor"):
+                    xl_ans_rows.decode(a, xs.shape, np.uint8, model, l0)
+                continue
+            if xl_ans_rows.section_work(xs.shape, e) > xl_ans_rows.WORK_PER_BYTE * len(a):
+                for p in ("compiled", "constriction"):   # the writer codes xl-ans there
+                    with pytest.raises(SidecarError, match="coder work"):
+                        _on_path(monkeypatch, p, lambda: xl_ans_rows.decode(
+                            a, xs.shape, np.uint8, model, l0))
+                continue
+            for p in ("compiled", "constriction"):
+                got = _on_path(monkeypatch, p,
+                               lambda: xl_ans_rows.decode(a, xs.shape, np.uint8, model, l0))
+                assert np.array_equal(got, xs), (p, t, l0)
+
+
+def test_same_size_as_xl_ans_columns():
+    """The row symbol's probability is the product of xl-ans's flag and column
+    probabilities: sections within 0.2 % of xl-ans's bytes (E=8 top-2 and top-1)."""
+    for e, k in ((8, 2), (8, 1)):
+        src = _source(8, e, k)
+        rng = np.random.default_rng(3)
+        model = _model(src, rng, 8, 1024)
+        x = src.sample(rng, 1024)[0].astype(np.uint8)
+        rows, cols = len(xl_ans_rows.encode(x, model, 0)), len(xl_ans.encode(x, model, 0))
+        assert abs(rows / cols - 1) < 0.002, (e, k, rows, cols)
+
+
+def test_both_coders_refuse_the_same_corrupt_sections(monkeypatch):
+    """Flipped bits, cut or added words, garbage words, and a layer whose row 0 is coded
+    as a repeat: the same ids or the same error (message included) from both coders."""
+    rng = np.random.default_rng(11)
+    src = _source(4, 8, 2)
+    model = _model(src, rng)
+    x = src.sample(rng, 300)[0].astype(np.uint8)
+    words = xl_ans_rows.encode(x, model, 0)
+    cases = [words[:-4], words[4:], words + b"\x01\0\0\0", words[:-4] + bytes(4),
+             words[:len(words) // 2], words + words[-8:]]
+    for i in rng.integers(0, len(words), 80):
+        b = bytearray(words)
+        b[i] ^= 1 << int(rng.integers(0, 8))
+        cases.append(bytes(b))
+    for n in (32, 48, 200):
+        for _ in range(40):
+            w = np.zeros(n, dtype="<u4")
+            idx = rng.integers(0, n, 3)
+            w[idx] = rng.integers(1, 1 << 32, 3, dtype=np.uint64)
+            w[-1] = max(int(w[-1]), 1)
+            cases.append(w.tobytes())
+    refused, messages = 0, set()
+    for data in cases:
+        a, b = (_on_path(monkeypatch, p, lambda: _outcome(
+            lambda: xl_ans_rows.decode(data, x.shape, np.uint8, model, 0)))
+            for p in ("compiled", "constriction"))
+        if isinstance(a, str) or isinstance(b, str):
+            assert a == b, (a, b)
+            refused += 1
+            messages.add(a.split(" at ")[0])
+        else:
+            assert np.array_equal(a, b)
+    assert refused > 100
+    assert any("first row of a layer as a repeat" in m for m in messages), messages
+    assert any("fresh that repeats" in m for m in messages), messages
+
+
+def test_both_coders_agree_on_garbage_under_random_models(monkeypatch):
+    """Garbage words under random sparse models (E 2-8, top-1/top-2, 1-2 layers, 1-1000
+    rows): the same ids or the same error from both coders, never a crash."""
+    for i in range(300):
+        rng = np.random.default_rng(2 * 10 ** 6 + i)
+        e = int(rng.integers(2, 9))
+        k = int(rng.integers(1, 3))
+        nl = int(rng.integers(1, 3))
+        model = xl_ans.XlModel(e, k, *[(rng.integers(0, 65536, sh) * (rng.random(sh) < .3))
+                                       .astype(np.uint16) for sh in xl_ans.table_shapes(nl, e, k)])
+        nw = xl_ans_rows.least_bytes(nl) // 4 + int(rng.integers(0, 40))
+        words = np.zeros(nw, np.uint32)
+        nz = rng.random(nw) < rng.choice([0.02, 0.1, 0.5])
+        words[nz] = rng.integers(1, 2 ** 32, nz.sum(), dtype=np.uint64)
+        words[-1] = rng.choice([1, 0xA5 << 16, int(rng.integers(1, 2 ** 32))])
+        t = int(rng.choice([1, 2, 3, 10, 100, 1000]))
+        data = words.astype("<u4").tobytes()
+        a, b = (_on_path(monkeypatch, p, lambda: _outcome(
+            lambda: xl_ans_rows.decode(data, (t, nl, k), np.uint8, model, 0)))
+            for p in ("compiled", "constriction"))
+        assert type(a) is type(b) and (a == b if isinstance(a, str) else np.array_equal(a, b)), \
+            (i, a, b)
+
+
+def test_through_the_codec_registry():
+    rng = np.random.default_rng(5)
+    src = _source(6, 8, 2)
+    model = _model(src, rng)
+    ids = src.sample(rng, 400)[0].astype(np.uint8)
+    blob = codec.encode(ids, "xl-ans-rows", 8, model=(1234, model))
+    assert np.array_equal(codec.decode(blob, "xl-ans-rows", ids.shape, np.uint8, 8,
+                                       models={1234: model}.__getitem__), ids)
+    with pytest.raises(SidecarError, match="needs its stream's model"):
+        codec.decode(blob, "xl-ans-rows", ids.shape, np.uint8, 8)
+    with pytest.raises(SidecarError, match="floor"):              # before the model resolves
+        codec.decode(blob[:20], "xl-ans-rows", ids.shape, np.uint8, 8,
+                     models=lambda off: pytest.fail("resolved a model below the floor"))
+    with pytest.raises(RecordError, match="repeats an expert"):
+        xl_ans_rows.encode(np.zeros((3, 6, 2), np.uint8), model, 0)
+    with pytest.raises(RecordError, match="outside"):
+        xl_ans_rows.encode(np.full((3, 6, 2), 9, np.uint8), model, 0)
+
+
+def _stream(src, records, rng, rows=True):
+    schema = RoutingSchema(src.num_layers, tuple(range(src.num_layers)), src.top_k,
+                           src.num_experts)
+    recs = [RoutingRecord(f"s{i}", src.sample(rng, 1024)[0].astype(np.uint8))
+            for i in range(records)]
+    table = writer_module.codec_table
+    if not rows:         # the codec table of writers before xl-ans-rows
+        writer_module.codec_table = lambda c: ("xl-ans", "xl-zstd", "ctx-zstd", "raw-lm",
+                                               "zstd", "raw")
+    try:
+        data = write_records(None, schema, recs, codec="xl-ans", background=False).getvalue()
+    finally:
+        writer_module.codec_table = table
+    return data, recs
+
+
+def _section_codecs(data):
+    """Routing section codecs of every record (each section's codec byte)."""
+    r = SidecarReader(data)
+    out, codecs = [], r.header["codecs"]
+    for sid in r.sample_ids():
+        o, h = r._frame_meta(sid)
+        g = h.grid
+        ends = r._table_ends(g, r._payload(h, g.head_len, h.body_at), h.payload_len - h.body_at)
+        out += [codecs[data[o + 24 + h.body_at + int(ends[i]) + 4]] for i in range(g.n_routing)]
+    return out
+
+
+def test_the_writer_codes_rows_where_they_apply_and_columns_where_rows_cost_too_much():
+    """E=8 top-2: sections with a model are xl-ans-rows, and the stream is within 0.2 % of
+    one written with xl-ans alone; with 80 % repeats (a row under 1.8 bits) the rows' coder
+    work is over the reader's limit, so the writer keeps xl-ans. Both read back."""
+    src = _source(8, 8, 2)
+    data, recs = _stream(src, 8, np.random.default_rng(1))
+    cols, _ = _stream(src, 8, np.random.default_rng(1), rows=False)
+    used = _section_codecs(data)
+    assert used.count("xl-ans-rows") >= 5 and "xl-ans" not in used, used
+    assert "xl-ans-rows" not in _section_codecs(cols)
+    assert abs(len(data) / len(cols) - 1) < 0.002, (len(data), len(cols))
+    rep = _source(8, 8, 2, repeat=0.8)
+    data2, recs2 = _stream(rep, 12, np.random.default_rng(2))
+    used2 = _section_codecs(data2)
+    assert "xl-ans" in used2 and "xl-ans-rows" not in used2, used2
+    for d, rr in ((data, recs), (data2, recs2)):
+        r = SidecarReader(d)
+        for x in rr:
+            assert np.array_equal(r.read(x.sample_id).expert_ids, x.expert_ids)
+
+
+def test_a_crafted_stream_near_the_work_limit_reads_back():
+    """routereplay.testing.crafted's row case (benchmarks/robustness.py measures its CPU
+    per MiB): valid xl-ans-rows sections at over half the reader's work limit read back."""
+    from routereplay.testing import crafted
+    data = crafted.xl_ans_rows_at_work_limit(None, nbytes=1 << 14, rows=4096)
+    r = SidecarReader(data)
+    assert _section_codecs(data) == ["xl-ans-rows"] * len(r.sample_ids())
+    sid = r.sample_ids()[0]
+    assert r.read(sid).expert_ids.shape == (4096, 1, 2)
+    words = r.record_bytes(sid).routing - 5 - 2          # the CRC and codec byte, the offset
+    work = xl_ans_rows.section_work((4096, 1, 2), 8)
+    assert 0.5 * xl_ans_rows.WORK_PER_BYTE * words < work <= xl_ans_rows.WORK_PER_BYTE * words
