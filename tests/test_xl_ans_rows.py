@@ -244,3 +244,29 @@ def test_a_crafted_stream_near_the_work_limit_reads_back():
     words = r.record_bytes(sid).routing - 5 - 2          # the CRC and codec byte, the offset
     work = xl_ans_rows.section_work((4096, 1, 2), 8)
     assert 0.5 * xl_ans_rows.WORK_PER_BYTE * words < work <= xl_ans_rows.WORK_PER_BYTE * words
+
+
+def test_a_writer_is_set_to_xl_ans_not_to_its_row_layout():
+    """xl-ans-rows is a layout the xl-ans writer picks per section; set as a writer's codec
+    (SidecarWriter, the vLLM plugin's ROUTEREPLAY_CODEC, convert --codec) it is refused by
+    name, before anything is written."""
+    from routereplay.errors import ConfigError
+    from routereplay.sidecar import writer_codec
+    schema = RoutingSchema(4, (0, 1, 2, 3), 2, 8)
+    with pytest.raises(ConfigError, match="section layout of 'xl-ans'"):
+        writer_codec("xl-ans-rows", schema=schema)
+    assert "xl-ans-rows" not in codec.WRITER_CODECS and "xl-ans" in codec.WRITER_CODECS
+
+
+def test_no_model_frame_on_records_whose_sections_sit_at_the_floor():
+    """64-token records of 32 MoE layers code to about the rows' floor (32 bytes a layer),
+    so about half of them fall under it. A model frame bet on such a record's savings lost
+    (the stream 1.5 % above xl-zstd's); the writer no longer counts savings of sections
+    under twice their floor, and the stream is xl-zstd's."""
+    src = _source(32, 8, 2)
+    schema = RoutingSchema(32, tuple(range(32)), 2, 8)
+    rng = np.random.default_rng(64)
+    recs = [RoutingRecord(f"s{i}", src.sample(rng, 64)[0].astype(np.uint8)) for i in range(64)]
+    xa = write_records(None, schema, recs, codec="xl-ans", background=False).getvalue()
+    xz = write_records(None, schema, recs, codec="xl-zstd", background=False).getvalue()
+    assert len(xa) <= 1.001 * len(xz), (len(xa), len(xz))

@@ -615,7 +615,7 @@ def _version() -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from routereplay.codec import CODECS
+    from routereplay.codec import WRITER_CODECS
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument("--no-progress", action="store_true",
                         help="no progress bars (ours, tqdm's and transformers')")
@@ -671,7 +671,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="decoder layers that are MoE, e.g. '1-23' or '1,3,5'")
     c.add_argument("--num-layers", type=_positive_int,
                    help="num_hidden_layers (default: max MoE layer + 1)")
-    c.add_argument("--codec", default=None, choices=CODECS,
+    c.add_argument("--codec", default=None, choices=WRITER_CODECS,
                    help="routing codec (default xl-zstd, ctx-zstd with --format-version 2; "
                         "ctx-ans-sorted with --column-order sorted; xl-ans: smallest on routing "
                         "whose layers depend on each other, E <= 64, a writer at about 22 MB/s "

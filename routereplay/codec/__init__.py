@@ -51,6 +51,8 @@ V2_DEFAULT_CODEC = "ctx-zstd"          # a format-2 writer's default (older read
 CODECS = ("ctx-zstd", "xl-zstd", "xl-ans", "xl-ans-rows", "ctx-ans", "ctx-ans-sorted", "zstd-lm",
           "raw-lm")
 
+# what a writer may be set to: xl-ans-rows is a layout the xl-ans writer picks per section
+WRITER_CODECS = tuple(c for c in CODECS if c != "xl-ans-rows")
 _MODEL_CODECS = ("ctx-zstd", "xl-zstd", "xl-ans", "xl-ans-rows", "ctx-ans",
                  "ctx-ans-sorted")                                  # need num_experts
 _XL_ANS = {"xl-ans": xl_ans, "xl-ans-rows": xl_ans_rows}       # codecs that name a model frame
@@ -58,7 +60,7 @@ _XL_ANS = {"xl-ans": xl_ans, "xl-ans-rows": xl_ans_rows}       # codecs that nam
 # a reader resolves it (reads, checks and caches the frame) through this callable.
 ModelResolver = Callable[[int], "xl_ans.XlModel"]
 
-__all__ = ["CODECS", "DEFAULT_CODEC", "V2_DEFAULT_CODEC", "encode", "encode_grid", "decode", "bounded_zstd_decompress"]
+__all__ = ["CODECS", "WRITER_CODECS", "DEFAULT_CODEC", "V2_DEFAULT_CODEC", "encode", "encode_grid", "decode", "bounded_zstd_decompress"]
 
 
 def encode(ids: np.ndarray, codec: str = DEFAULT_CODEC, num_experts: int | None = None, *,

@@ -277,9 +277,13 @@ def check_counts(t: int, start: int, prompt_len: int | None, n: int | None,
 
 class RecordPayload(bytes):
     """A record payload; ``head_len`` is the number of leading bytes the frame header's
-    CRC covers (version 3: the head), None for version 1-2 (the whole payload)."""
+    CRC covers (version 3: the head), None for version 1-2 (the whole payload).
+    ``floor_margin`` (``xl-ans`` writers): the least ratio of an ``xl-ans`` or
+    ``xl-ans-rows`` section's words to the reader's floor for it, None where the record has
+    no such section."""
 
     head_len: int | None = None
+    floor_margin: float | None = None
 
 
 def encode_record_payload(record: RoutingRecord, schema: RoutingSchema,
@@ -369,7 +373,21 @@ def encode_record_payload(record: RoutingRecord, schema: RoutingSchema,
     if body >= 1 << 32:
         raise RecordError(f"sample {str(record.sample_id)[:80]!r}: record body of {body} "
                           "bytes exceeds the format's 4 GiB")
-    return assemble(meta, [(cid[c], d) for c, d, _ in secs])
+    out = assemble(meta, [(cid[c], d) for c, d, _ in secs])
+    if model is not None:
+        ref = len(varint(model[0]))
+        margins = [(len(d) - ref) / (_codec.xl_ans_rows.least_bytes(g) if c == "xl-ans-rows"
+                                     else _codec.xl_ans.least_bytes(g, schema.top_k))
+                   for (c, d, _), g in zip(secs, _section_layers(nl, g_layers, nb))
+                   if c in ("xl-ans", "xl-ans-rows")]
+        out.floor_margin = min(margins) if margins else None
+    return out
+
+
+def _section_layers(num_layers: int, layer_group: int, blocks: int) -> list[int]:
+    """The MoE layers of each routing section of a grid, in section order."""
+    return [min(layer_group, num_layers - l0) for l0 in range(0, num_layers, layer_group)
+            for _ in range(blocks)]
 
 
 def assemble(meta: bytes, sections: list[tuple[int, bytes]],

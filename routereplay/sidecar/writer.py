@@ -38,6 +38,7 @@ MODEL_FIRST_SHARE = 1 / 16    # the first model frame: at most this share of the
 MODEL_SHARE = 1 / 64          # all model frames together, once there is one
 MODEL_REFRESH = 4             # a new model is learned from this many times the rows
 SEED_COUNT_MAX = 1 << 40      # a seed's counts (scaling them stays within int64)
+FLOOR_MARGIN = 2.0            # model-coded sections under this x the reader's floor: no bet
 SEED_ROWS = 1 << 20           # a seed (xl_ans_seed) counts as at most this many rows
 MAX_MODELS = 12               # model frames a stream gets (readers parse at most 16)
 
@@ -78,8 +79,8 @@ def writer_codec(codec: str | None, column_order: str = "engine",
     sorted rows -> ``ctx-ans-sorted``.
 
     Raises:
-        ConfigError (a ValueError): unknown codec or column order, ``ctx-ans-sorted``
-            for engine order, or ``xl-ans`` for ``format_version=2``, (given ``schema``)
+        ConfigError (a ValueError): unknown codec or column order, ``xl-ans-rows`` (a
+            layout the ``xl-ans`` writer picks), ``ctx-ans-sorted`` for engine order, or ``xl-ans`` for ``format_version=2``, (given ``schema``)
             for more than 64 experts, or with ``ROUTEREPLAY_XL_ANS_JIT=1`` where numba does
             not import.
     """
@@ -90,8 +91,11 @@ def writer_codec(codec: str | None, column_order: str = "engine",
             _codec.DEFAULT_CODEC if format_version >= 3 else _codec.V2_DEFAULT_CODEC
     if column_order == "sorted" and codec == "ctx-ans":
         return "ctx-ans-sorted"
+    if codec == "xl-ans-rows":
+        raise ConfigError("codec 'xl-ans-rows' is a section layout of 'xl-ans': a writer of "
+                          "codec='xl-ans' codes sections with it where it applies")
     if codec not in _codec.CODECS:
-        raise ConfigError(f"unknown codec {codec!r}; known: {', '.join(_codec.CODECS)}")
+        raise ConfigError(f"unknown codec {codec!r}; known: {', '.join(_codec.WRITER_CODECS)}")
     if codec == "ctx-ans-sorted" and column_order != "sorted":
         raise ConfigError("codec 'ctx-ans-sorted' needs column_order='sorted'")
     if codec == "xl-ans" and format_version < 3:
@@ -496,7 +500,10 @@ class SidecarWriter:
         model = (self._pos, parsed)
         plain, coded = self._payload(record, None), self._payload(record, model)
         frame = len(payload) + 24
-        if (len(plain) - len(coded)) * seed_rows < frame * rec_rows:
+        saved = len(plain) - len(coded)
+        if coded.floor_margin is not None and coded.floor_margin < FLOOR_MARGIN:
+            saved = 0                   # NOTE: as in _maybe_model
+        if saved * seed_rows < frame * rec_rows:
             return plain
         self._emit(encode_frame(KIND_MODEL, payload))
         self._model = model
@@ -568,6 +575,13 @@ class SidecarWriter:
             # the records written so far (as many again are expected), must pay for the
             # frame. Routing with no cross-layer structure to learn gets no model frames.
             saved = current - len(coded)
+            # NOTE: a record whose model-coded sections sit near the reader's floor says
+            # little about the next: as many of those fall under it (their sections then
+            # xl-zstd). Measured at 64-token records (E=8 top-2, 32 layers): a frame
+            # written on such savings cost 1.5 % more than the 24 of 64 records it coded
+            # saved. Such a record's savings count for nothing.
+            if coded.floor_margin is not None and coded.floor_margin < FLOOR_MARGIN:
+                saved = 0
             if saved * (len(self._index) + 1) >= frame and (best is None or saved > best[0]):
                 best = (saved, payload, model, coded)
         if best is None:
