@@ -674,7 +674,7 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--codec", default=None, choices=WRITER_CODECS,
                    help="routing codec (default xl-zstd, ctx-zstd with --format-version 2; "
                         "ctx-ans-sorted with --column-order sorted; xl-ans: smallest on routing "
-                        "whose layers depend on each other, E <= 64, a writer at about 22 MB/s "
+                        "whose layers depend on each other, E <= 64, a writer at about 25 MB/s "
                         "with numba (5-9 at E=64); "
                         "ctx-ans: small, slower)")
     c.add_argument("--column-order", default="engine", choices=["engine", "sorted"])

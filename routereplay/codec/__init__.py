@@ -20,8 +20,9 @@ named by a short string stored in each routing section's metadata (docs/FORMAT.m
   constriction (the same bytes, about 10 MB/s; 2-3 at E=64). Sections name their model frame by offset
   (:data:`ModelResolver`).
 - ``xl-ans-rows``: the ``xl-ans`` model coded one symbol per row (routereplay.codec
-  .xl_ans_rows), for top-1 and top-2 of at most 8 experts: the same size, decoded 2-3x
-  faster. A writer of ``xl-ans`` picks it per section where it applies.
+  .xl_ans_rows), for top-1 and top-2 of at most 8 experts: the same size, about 140 / 210
+  MB/s a section at E=8 top-2 (2-3x ``xl-ans``). A writer of ``xl-ans`` picks it per
+  section where it applies; it is not a writer's codec (:data:`WRITER_CODECS`).
 - ``ctx-zstd``: per-layer repeat bitmap and id bytes, then zstd with a Huffman table per
   layer (routereplay.codec.ctx_zstd); the default before format 3, and the default of a
   ``format_version=2`` writer (readers older than ``xl-zstd`` know it).

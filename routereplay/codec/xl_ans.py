@@ -24,6 +24,8 @@ Models are static within a record (no adaptation). Two coders write the same wor
 numba kernels (routereplay.codec.xl_ans_jit, where numba imports: :func:`compiled`), one
 pass over the section, about 61-66 / 84-92 MB/s (encode / decode) at E=8 top-2; else
 constriction, vectorized over a section's rows, 1 + K calls per layer, about 10 MB/s.
+For top-1 and top-2 of at most 8 experts the same model is also coded one symbol per
+row (routereplay.codec.xl_ans_rows, ``xl-ans-rows``: about 140 / 210 MB/s at E=8 top-2).
 ``xl-ans`` needs a model frame; the writer codes a stream's first records with
 ``xl-zstd`` while it learns, and keeps each section's smaller of ``xl-ans`` and
 ``xl-zstd`` (so the ``xl-zstd`` bound holds).
@@ -71,7 +73,7 @@ _JIT_WARNED: set = set()    # values of ROUTEREPLAY_XL_ANS_JIT already warned ab
 
 def compiled() -> Any:
     """routereplay.codec.xl_ans_jit (numba kernels, imported on first call), or None: then
-    this module codes with constriction (the same bytes, its section coder 5-10x slower).
+    this module codes with constriction (the same bytes, its section coder 5-20x slower).
 
     ``ROUTEREPLAY_XL_ANS_JIT`` (read at every call): unset or ``auto``: the kernels where
     numba imports, else constriction with a RuntimeWarning, once per process (a trainer
@@ -111,7 +113,7 @@ def compiled() -> Any:
         if not _JIT[2]:
             _JIT[2] = True
             warnings.warn(f"routereplay: {_JIT[1]}; xl-ans is coded with constriction (the same "
-                          f"bytes, 5-10x slower)", RuntimeWarning, stacklevel=3)
+                          f"bytes, 5-20x slower)", RuntimeWarning, stacklevel=3)
     return _JIT[0]
 
 

@@ -154,15 +154,16 @@ class SidecarWriter:
             at most ``max_queue`` records; :meth:`write` blocks when it is full.
         fsync: "close" (default) fsyncs local files on close; "frame" after every frame;
             "never" leaves it to the OS.
-        codec: routing codec (routereplay.codec.CODECS); None (default) picks ``xl-zstd``
+        codec: routing codec (routereplay.codec.WRITER_CODECS); None (default) picks ``xl-zstd``
             (``ctx-zstd`` for ``format_version=2``), or ``ctx-ans-sorted`` for sorted
             streams; ``ctx-ans`` is 2-5 % smaller than ``ctx-zstd`` on most routing and
             10-50x slower. ``xl-ans`` (E <= 64, version 3) learns a cross-layer model from
             the records written and writes it into the stream as a model frame (kind 3)
             when it pays for itself; later sections use it where smaller than ``xl-zstd``
             (7-14 % smaller streams on routing whose layers depend on each other; a
-            writer at about 22 MB/s with numba, 5-6 without, E=8 top-2; grid layer group
-            8 by default). docs/FORMAT.md "xl-ans".
+            writer at about 25 MB/s with numba, about 5 without, E=8 top-2; grid layer group
+            8 by default; sections ``xl-ans-rows`` where it applies: top-1, or top-2 of at
+            most 8 experts). docs/FORMAT.md "xl-ans", "xl-ans-rows".
         column_order: "engine" (default: top-k columns exactly as the engine returned
             them) or "sorted" (canonical: each row in ascending expert id; declared in the
             header; ``ctx-ans-sorted`` codes it smaller by about log2(top_k!) bits a row).
