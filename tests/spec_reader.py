@@ -293,7 +293,8 @@ def xl_ans_rows(blob, t, g_count, k, e, l0, ctx):
     a = e if k == 1 else e * (e - 1)
     c = binom(e, k) if binom(e, k) * e <= 8192 else 0
     assert a <= 64 and c > 0, "xl-ans-rows: top-1, or top-2 with E <= 8"
-    assert ctx["lmoe"] * (2 * c + 1) * (4 * (a + 2) + 256) <= 8 << 20, "row tables too large"
+    assert ctx["lmoe"] * (2 * c + 1) * (4 * (a + 2) + max(256, 8 * (a + 1))) <= 4 << 20, \
+        "row tables too large"
     assert t * g_count * k <= 8 * len(blob) + min(65536, 8 * len(blob)), "expansion"
     o, pos = varint(blob, 0)
     words = blob[pos:]

@@ -503,21 +503,64 @@ def encode_section(ids, l0, flags, pop, cpop0, cpop1, succ, joint, cjoint0, cjoi
 
 
 @_njit
-def row_guides(cum, a2, bits):
-    """cum int32 [n * a2] (n contexts' cumulative frequencies, a2 entries each) -> guide
-    uint8 [n * 2^bits]: per context and slice j, the symbol whose interval holds
-    j * 2^(24 - bits) (routereplay.codec.xl_ans_rows.RowTables.guide)."""
-    n = cum.shape[0] // a2
+def row_tables(flags, cpop0, cpop1, cjoint0, cjoint1, nl, e, k, nsets, first, second, bits):
+    """The row tables of routereplay.codec.xl_ans_rows.RowTables from a model's coder
+    tables (routereplay.codec.xl_ans._Tables.kernel_args: flags int32 [L, 3, 2] as
+    parameters, cumulative int32 cpop0, cpop1, cjoint0, cjoint1 flattened; first, second
+    int64 [1 + A]) -> (cum int32 [L * X * (A + 2)], guide uint8 [L * X * 2^bits]), X = 2C + 1:
+    exactly what its numpy path computes (FORMAT.md "xl-ans-rows").
+
+    NOTE: built per model, as the reader meets it: numpy took about 90 us a layer at E=8
+    top-2 (57 contexts x 57 symbols), on a par with a crafted model payload's bytes."""
+    a = first.shape[0] - 1
+    nctx = 2 * nsets + 1
+    a2 = a + 2
     nb = 1 << bits
-    out = np.empty(n * nb, dtype=np.uint8)
-    for c in range(n):
-        s = 0
-        for j in range(nb):
-            q = j << (PRECISION - bits)
-            while q >= cum[c * a2 + s + 1]:
-                s += 1
-            out[c * nb + j] = s
-    return out
+    e1 = e + 1
+    cum = np.empty(nl * nctx * a2, dtype=np.int32)
+    guide = np.empty(nl * nctx * nb, dtype=np.uint8)
+    u = np.empty(a + 1, dtype=np.int64)
+    f = np.empty(a + 1, dtype=np.int64)
+    for lyr in range(nl):
+        for cx in range(nctx):
+            if cx == nctx - 1:
+                x = 2
+                t0 = cpop0
+                b0 = lyr * e1
+                t1 = cpop1
+                b1 = lyr * e * e1
+            else:
+                x = cx // nsets
+                c = cx - x * nsets
+                t0 = cjoint0
+                b0 = (lyr * nsets + c) * e1
+                t1 = cjoint1
+                b1 = (lyr * nsets + c) * e * e1
+            g0 = np.int64(flags[lyr, x, 0]) + 1
+            g1 = np.int64(flags[lyr, x, 1]) + 1
+            u[0] = (g1 << 10) + 1
+            for sym in range(1, a + 1):
+                x0 = first[sym]
+                p = np.int64(t0[b0 + x0 + 1]) - np.int64(t0[b0 + x0])
+                if k == 2:
+                    bb = b1 + x0 * e1 + second[sym]
+                    p = (p * (np.int64(t1[bb + 1]) - np.int64(t1[bb]))) >> 24
+                u[sym] = ((p * g0) >> 14) + 1
+            _freqs(u, a + 1, f)
+            o = (lyr * nctx + cx) * a2
+            acc = 0
+            cum[o] = 0
+            for sym in range(a + 1):
+                acc += f[sym]
+                cum[o + sym + 1] = acc
+            s = 0
+            og = (lyr * nctx + cx) * nb
+            for j in range(nb):
+                q = j << (PRECISION - bits)
+                while q >= cum[o + s + 1]:
+                    s += 1
+                guide[og + j] = s
+    return cum, guide
 
 
 @_njit
@@ -558,6 +601,10 @@ def decode_rows(words, t, g, l0, cum, guide, nctx, first, second, rank, symbol, 
         base = lyr * nctx
         prev = 0
         for row in range(t):
+            # NOTE: "ends early" where a chunk of rows starts, as the constriction path
+            # checks at each of its calls (CHUNK_ROWS rows a call)
+            if row % CHUNK_ROWS == 0 and row and state == 0 and r == 0:
+                return ENDS_EARLY, lyr
             ctx = base + (nctx - 1 if lp == 0 else up[row])
             qi = np.int64(state & mask)
             # NOTE: GUIDE_BITS = 8: slices of 2^16 of the range 2^24

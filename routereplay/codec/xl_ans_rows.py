@@ -13,7 +13,8 @@ context (the flag and the expert set of the token one layer up). Its tables are 
 per model: cumulative frequencies of every context, and a guide per context (the symbol
 at each 2^16-wide slice of the coder's range) that finds a symbol with one lookup and
 rarely a step. Measured (E=8 top-2, 1K-token sections, one core, numba): the same bytes
-within 0.1 %, decode 3x and encode 6x ``xl-ans`` (benchmarks/README.md "xl-ans").
+within 0.1 %, encode and decode about 2.3x ``xl-ans`` at 32 layers a section (about 140 /
+210 MB/s), decode 3x at 8-16 (benchmarks/README.md "xl-ans").
 
 Used where the alphabet is small (:func:`applies`: top-1, or top-2 with E <= 8, and the
 tables within ``TABLES_MAX``); a writer of ``codec="xl-ans"`` picks it per section where
@@ -32,7 +33,7 @@ from routereplay.codec.xl_ans import (BAD_END, ENDS_EARLY, FRESH_REPEATS, OK, OV
 from routereplay.errors import RecordError, SidecarError
 
 MAX_TUPLES = 64             # A: a row alphabet of at most this many expert tuples
-TABLES_MAX = 8 << 20        # bytes of a model's row tables (:func:`table_bytes`) at most
+TABLES_MAX = 4 << 20        # bytes of a model's row tables (:func:`table_bytes`) at most
 GUIDE_BITS = 8              # a context's guide: 2^8 slices of the coder's range
 FIRST_REPEATS = 6           # error code: a section's row 0 coded as a repeat
 # NOTE: a reader's coder work limit, per byte of words. A unit of row work costs about
@@ -51,15 +52,18 @@ def tuples(num_experts: int, top_k: int) -> int:
 
 
 def table_bytes(num_layers: int, num_experts: int, top_k: int) -> int:
-    """Bytes of a model's row tables: L x X contexts x (4 (A + 2) + 2^GUIDE_BITS)."""
+    """Bytes of a model's row tables, on either coder path: L x X contexts x
+    (4 (A + 2) + max(2^GUIDE_BITS, 8 (1 + A))): cumulative frequencies, and the numba
+    kernels' guide or constriction's parameters."""
     a, c = tuples(num_experts, top_k), xl_ans.joint_sets(num_experts, top_k)
-    return num_layers * (2 * c + 1) * (4 * (a + 2) + (1 << GUIDE_BITS))
+    return num_layers * (2 * c + 1) * (4 * (a + 2) + max(1 << GUIDE_BITS, 8 * (1 + a)))
 
 
 def applies(num_layers: int, num_experts: int, top_k: int) -> bool:
     """Whether ``xl-ans-rows`` codes this schema: top-1 or top-2, 2 <= A <= MAX_TUPLES
     (top-2: E <= 8), a joint table, and row tables of at most ``TABLES_MAX`` bytes (a
-    reader keeps them per model: 16 models bound its memory).
+    reader keeps them per model, at most 16: 64 MiB; E=8 top-2 up to 107 MoE layers,
+    E=64 top-1 up to 40).
 
     NOTE: the guide is one uint8 per slice, and the tables grow as L x C x A."""
     a = tuples(num_experts, top_k)
@@ -100,10 +104,11 @@ class RowTables:
       (column 0, column 1) -> symbol (top-1: [E, 1]).
     """
 
-    def __init__(self, m: XlModel, tab: Any):
+    def __init__(self, m: XlModel, tab: Any, jit: Any):
         e, k, nl = m.num_experts, m.top_k, m.num_layers
         c, a = xl_ans.joint_sets(e, k), tuples(e, k)
         self.contexts, self.sets, self.tuples = 2 * c + 1, c, a
+        self.num_layers, self.num_experts, self.top_k = nl, e, k
         if k == 1:
             self.first = np.arange(-1, e, dtype=np.int64)
             self.second = self.first.copy()
@@ -118,33 +123,48 @@ class RowTables:
         members = np.stack([self.first, self.second], axis=1)[:, :k]
         self.rank = xl_ans.set_index(members)
         self.rank[0] = 0
+        # NOTE: top-2 of E <= 8 always has the column-1 joint table (TABLES_MEMORY)
+        assert k == 1 or tab.joint1 is not None
+        self._tab = tab
+        self._params: np.ndarray | None = None
+        self._guide: np.ndarray | None = None
+        if jit is not None:
+            self.cum, self._guide = self._build(jit)
+        else:
+            self.cum = self._cum(tab)
+
+    def _build(self, jit: Any) -> tuple[np.ndarray, np.ndarray]:
+        """(cum, guide) by ``jit``'s kernel (the same cum as :meth:`_cum`)."""
+        a = self._tab.kernel_args()
+        return jit.row_tables(a[0], a[2], a[3], a[6], a[7], self.num_layers, self.num_experts,
+                              self.top_k, self.sets, self.first, self.second, GUIDE_BITS)
+
+    def _cum(self, tab: Any) -> np.ndarray:
+        """cum by numpy (FORMAT.md "xl-ans-rows", step by step)."""
+        k, c, nl = self.top_k, self.sets, self.num_layers
         g = tab.flags.astype(np.int64) + 1                          # [L, 3, 2] frequencies
-        # column frequencies: a section's first layer [L, 1, E] / [L, 1, E, E], the joint
-        # table's sets [L, C, E] / [L, C, E, E] (column 1 given column 0)
+        # column frequencies: the joint table's sets [L, C, E] / [L, C, E, E] (column 1
+        # given column 0), then a section's first layer [L, 1, E] / [L, 1, E, E]
         f0 = np.concatenate([_diff(tab.joint0), _diff(tab.pop0)[:, None]], axis=1)
         if k == 2:
-            j1 = tab.joint1 if tab.joint1 is not None else \
-                xl_ans._cumulative(xl_ans._exclude_one(tab.joint))
-            f1 = np.concatenate([_diff(j1), _diff(tab.pop1)[:, None]], axis=1)
+            f1 = np.concatenate([_diff(tab.joint1), _diff(tab.pop1)[:, None]], axis=1)
             p = (f0[:, :, self.first[1:]] * f1[:, :, self.first[1:], self.second[1:]]) >> 24
         else:
             p = f0                                                  # [L, C + 1, A]
-        u = np.empty((nl, self.contexts, 1 + a), dtype=np.int64)
+        u = np.empty((nl, self.contexts, 1 + self.tuples), dtype=np.int64)
         for x in range(2):                                          # section layer >= 1
             sl = slice(x * c, (x + 1) * c)
             u[:, sl, 0] = (g[:, x, 1] << _FLAG_SHIFT)[:, None] + 1
             u[:, sl, 1:] = ((p[:, :c] * g[:, x, 0][:, None, None]) >> _TUPLE_SHIFT) + 1
         u[:, 2 * c, 0] = (g[:, xl_ans.NONE_CTX, 1] << _FLAG_SHIFT) + 1  # first layer
         u[:, 2 * c, 1:] = ((p[:, c] * g[:, xl_ans.NONE_CTX, 0][:, None]) >> _TUPLE_SHIFT) + 1
-        self.cum = xl_ans._cumulative(u).ravel()                    # [L * X * (A + 2)]
-        self._params: np.ndarray | None = None
-        self._guide: np.ndarray | None = None
+        return xl_ans._cumulative(u).ravel()                        # [L * X * (A + 2)]
 
     def guide(self, jit: Any) -> np.ndarray:
         """uint8 [L * X * 2^GUIDE_BITS]: per context and slice j, the symbol whose interval
         holds j * 2^(24 - GUIDE_BITS) (built on first use, by ``jit``'s kernel)."""
         if self._guide is None:
-            self._guide = jit.row_guides(self.cum, self.tuples + 2, GUIDE_BITS)
+            self._guide = self._build(jit)[1]
         return self._guide
 
     def params(self) -> np.ndarray:
@@ -178,7 +198,7 @@ def tables(model: XlModel) -> RowTables:
             raise RecordError(f"xl-ans-rows codes top-1, or top-2 of at most 8 experts, with "
                               f"row tables of at most {TABLES_MAX} bytes; got "
                               f"L={model.num_layers}, E={model.num_experts}, K={model.top_k}")
-        t = tab._rows = RowTables(model, tab)
+        t = tab._rows = RowTables(model, tab, xl_ans.compiled())
     return t
 
 
@@ -244,17 +264,17 @@ def encode(ids: np.ndarray, model: XlModel, l0: int) -> bytes:
         return jit.encode_rows(ids.astype(np.uint8, copy=False), l0,
                                *rt.kernel_args(jit)).astype("<u4").tobytes()
     sym = _symbols(a, rt)
-    steps = []
+    ctx = np.empty((t, g), dtype=np.int64)
     resolved = None
     for lp in range(g):
-        ctx = _contexts(t, sym[:, lp - 1] if lp else None, resolved, l0 + lp, rt)
-        steps.append((sym[:, lp], rt.params()[ctx]))
+        ctx[:, lp] = _contexts(t, sym[:, lp - 1] if lp else None, resolved, l0 + lp, rt)
         resolved = _resolve(sym[:, lp])
     coder = constriction.stream.stack.AnsCoder()
     coder.encode_reverse(np.array([ans.END_MARKER], dtype=np.int32), ans.marker_model())
-    for s, p in reversed(steps):
-        if s.size:
-            coder.encode_reverse(s, ans.family(), ans.contiguous(p))
+    for lp in range(g - 1, -1, -1):
+        for sl in reversed(xl_ans._chunks(t)):        # NOTE: a chunk's parameters at a time
+            coder.encode_reverse(sym[sl, lp], ans.family(),
+                                 ans.contiguous(rt.params()[ctx[sl, lp]]))
     return coder.get_compressed().astype("<u4").tobytes()
 
 
@@ -299,7 +319,9 @@ def decode(data: bytes, shape: tuple[int, int, int], dtype: np.dtype, model: XlM
         if spent > budget:
             raise _error(OVER_BUDGET, len(data), where)
         ctx = _contexts(t, sym, resolved, lyr, rt)
-        sym = dec.decode_params(rt.params()[ctx], where)
+        sym = np.empty(t, dtype=np.int32)
+        for sl in xl_ans._chunks(t):              # NOTE: a chunk's parameters at a time
+            sym[sl] = dec.decode_params(rt.params()[ctx[sl]], where)
         if t and sym[0] == 0:
             raise _error(FIRST_REPEATS, len(data), where)
         resolved = _resolve(sym)

@@ -278,9 +278,9 @@ def check_counts(t: int, start: int, prompt_len: int | None, n: int | None,
 class RecordPayload(bytes):
     """A record payload; ``head_len`` is the number of leading bytes the frame header's
     CRC covers (version 3: the head), None for version 1-2 (the whole payload).
-    ``floor_margin`` (``xl-ans`` writers): the least ratio of an ``xl-ans`` or
-    ``xl-ans-rows`` section's words to the reader's floor for it, None where the record has
-    no such section."""
+    ``floor_margin`` (``xl-ans`` writers): the words of the record's ``xl-ans`` and
+    ``xl-ans-rows`` sections over the reader's floors for them (summed over those
+    sections: a short last token block does not decide), None where it has none."""
 
     head_len: int | None = None
     floor_margin: float | None = None
@@ -376,11 +376,11 @@ def encode_record_payload(record: RoutingRecord, schema: RoutingSchema,
     out = assemble(meta, [(cid[c], d) for c, d, _ in secs])
     if model is not None:
         ref = len(varint(model[0]))
-        margins = [(len(d) - ref) / (_codec.xl_ans_rows.least_bytes(g) if c == "xl-ans-rows"
-                                     else _codec.xl_ans.least_bytes(g, schema.top_k))
-                   for (c, d, _), g in zip(secs, _section_layers(nl, g_layers, nb))
-                   if c in ("xl-ans", "xl-ans-rows")]
-        out.floor_margin = min(margins) if margins else None
+        xl = [(len(d) - ref, _codec.xl_ans_rows.least_bytes(g) if c == "xl-ans-rows"
+               else _codec.xl_ans.least_bytes(g, schema.top_k))
+              for (c, d, _), g in zip(secs, _section_layers(nl, g_layers, nb))
+              if c in ("xl-ans", "xl-ans-rows")]
+        out.floor_margin = sum(w for w, _ in xl) / sum(f for _, f in xl) if xl else None
     return out
 
 
@@ -685,7 +685,8 @@ def _xl_ans_section(part: np.ndarray, l0: int, schema: RoutingSchema,
 
     NOTE: both layouts code the same model (sizes within 0.1 %); rows decode 2-3x faster
     but cost 1 + A work units a row, so repetitive routing (under about 1.8 bits a row at
-    E=8 top-2) takes ``xl-ans``, whose repeats cost 2."""
+    E=8 top-2) takes ``xl-ans``, whose repeats cost 2. Where rows fit but are not smaller
+    than ``fallback``, neither would be: ``xl-ans`` is not coded as well."""
     e, ref = schema.num_experts, len(varint(model[0]))
     part = np.ascontiguousarray(part)
     if rows and len(fallback[1]) > ref + _codec.xl_ans_rows.least_bytes(part.shape[1]):

@@ -38,7 +38,7 @@ MODEL_FIRST_SHARE = 1 / 16    # the first model frame: at most this share of the
 MODEL_SHARE = 1 / 64          # all model frames together, once there is one
 MODEL_REFRESH = 4             # a new model is learned from this many times the rows
 SEED_COUNT_MAX = 1 << 40      # a seed's counts (scaling them stays within int64)
-FLOOR_MARGIN = 2.0            # model-coded sections under this x the reader's floor: no bet
+FLOOR_MARGIN = 1.5            # model-coded sections under this x the reader's floor: no bet
 SEED_ROWS = 1 << 20           # a seed (xl_ans_seed) counts as at most this many rows
 MAX_MODELS = 12               # model frames a stream gets (readers parse at most 16)
 
@@ -148,7 +148,7 @@ class SidecarWriter:
             routing whose statistics shifted strongly can cost a few % in short streams
             (README.md "Seeding"); never more than xl-zstd's size plus the model frames;
             from the same run's previous step it saves 1-3 %. A seeded writer runs at about
-            13 MB/s (22 unseeded, E=8 top-2): it counts every record twice and tries two
+            20 MB/s (25-30 unseeded, E=8 top-2): it counts every record twice and tries two
             models where one is due.
         background: encode and write on a background thread (default). The queue holds
             at most ``max_queue`` records; :meth:`write` blocks when it is full.
@@ -578,9 +578,12 @@ class SidecarWriter:
             saved = current - len(coded)
             # NOTE: a record whose model-coded sections sit near the reader's floor says
             # little about the next: as many of those fall under it (their sections then
-            # xl-zstd). Measured at 64-token records (E=8 top-2, 32 layers): a frame
-            # written on such savings cost 1.5 % more than the 24 of 64 records it coded
-            # saved. Such a record's savings count for nothing.
+            # xl-zstd). Measured at 64-token records (E=8 top-2, 32 layers, at about 1.0-1.1x
+            # the floor): a frame written on such savings cost 1.5 % more than the 24 of 64
+            # records it coded saved. Such a record's savings count for nothing. Summed over
+            # the record's sections (the attacker review: the least section's, a short last
+            # token block, kept 4160-token records from any model); 1.5, not 2: 300-token
+            # records of 6 layers sit at 1.6x xl-ans's floor and gain from a model.
             if coded.floor_margin is not None and coded.floor_margin < FLOOR_MARGIN:
                 saved = 0
             if saved * (len(self._index) + 1) >= frame and (best is None or saved > best[0]):

@@ -582,28 +582,33 @@ CASES["xl-ans coder calls at the floor"] = xl_ans_calls_at_floor
 
 
 def xl_ans_rows_at_work_limit(schema: RoutingSchema, nbytes: int = MiB, rows: int = 16384,
-                              seed: int = 18) -> bytes:
+                              seed: int = 18, num_experts: int = 8, top_k: int = 2) -> bytes:
     """xl-ans-rows (issue 18, the row layout): the most row work per stored byte its
-    reader allows (256 units a byte, a row's 1 + A = 57 at E=8 top-2). One MoE layer, top-2
-    of E=8: rows repeat the row before with the largest probability whose section still
-    fits the work limit, fresh rows are random pairs of 4 experts, and the model is counted
-    from the rows themselves. Records of ``rows`` rows, one valid ``xl-ans-rows`` section
-    each; each row costs the constriction path a gather of 57 parameters and a 57-entry
-    per-symbol model. Every record reads back exactly as encoded. ``schema`` is ignored."""
+    reader allows (256 units a byte, a row's 1 + A: 57 at E=8 top-2, 65 at E=64 top-1).
+    One MoE layer: rows repeat the row before with the largest probability (in steps of
+    0.05) whose section still fits the work limit, fresh rows are random (top-2: pairs of 4
+    experts), and the model is counted from the rows themselves. Records of ``rows`` rows,
+    one valid ``xl-ans-rows`` section each; each row costs the constriction path 1 + A
+    parameters and a per-symbol model of 1 + A entries. Every record reads back exactly as
+    encoded. ``schema`` is ignored.
+
+    ``nbytes=0, rows=4_000_000, num_experts=64, top_k=1``: one section of 4M rows (about
+    1 MiB), where the constriction path once built all of a layer's parameters at once
+    (the attacker review: 2 GiB of memory, 3.8 s of CPU per MiB)."""
     from routereplay.codec import xl_ans, xl_ans_rows
     from routereplay.sidecar.layout import KIND_MODEL, varint
-    e, k, nl = 8, 2, 1
+    e, k, nl = num_experts, top_k, 1
     sch = RoutingSchema(nl, tuple(range(nl)), k, e)
     codecs = ("xl-ans", "xl-ans-rows", "xl-zstd", "ctx-zstd", "raw-lm", "zstd", "raw")
     head = encode_header(sch, "xl-ans", codecs=codecs, stream_id="00" * 8)
     off = len(head)
     for p in np.arange(0.9, 0.0, -0.05):              # the most repeats that fit the limit
         rng = np.random.default_rng(seed)
-        pairs = np.argsort(rng.random((rows, 4)), axis=-1)[:, :2]
+        fresh = np.argsort(rng.random((rows, 4 if k == 2 else e)), axis=-1)[:, :k]
         rep = rng.random(rows) < p
-        ids = np.empty((rows, nl, k), dtype=np.uint8)
-        for t in range(rows):
-            ids[t, 0] = ids[t - 1, 0] if t and rep[t] else pairs[t]
+        rep[0] = False
+        src = np.maximum.accumulate(np.where(rep, 0, np.arange(rows)))
+        ids = fresh[src].astype(np.uint8).reshape(rows, nl, k)
         m = xl_ans.XlModel.empty(nl, e, k)
         m.count(ids)
         m = m.stored()
@@ -630,3 +635,60 @@ def xl_ans_rows_at_work_limit(schema: RoutingSchema, nbytes: int = MiB, rows: in
 
 
 CASES["xl-ans-rows rows at the work limit"] = xl_ans_rows_at_work_limit
+CASES["xl-ans-rows one long section"] = lambda schema: xl_ans_rows_at_work_limit(
+    schema, nbytes=0, rows=4_000_000, num_experts=64, top_k=1)
+
+
+def xl_ans_rows_model_thrash(schema: RoutingSchema, num_models: int = 16,
+                             seed: int = 5) -> bytes:
+    """xl-ans-rows (issue 18, the row layout's attacker review): the most row-table building
+    per stored byte. E=8 top-2 at the most MoE layers xl-ans-rows codes (its tables at most
+    4 MiB a model: 106 layers), ``num_models`` model frames at the smallest payload a
+    reader takes (1/16 of the u16 tables), then one record per model whose first layer is
+    an ``xl-ans-rows`` section naming it (the other layers ``raw-lm``). A reader builds
+    each model's coder tables and row tables once (at most 16 models a stream). Every
+    record reads back exactly as encoded. ``schema`` is ignored."""
+    from routereplay.codec import layer_major, xl_ans, xl_ans_rows
+    from routereplay.sidecar.layout import KIND_MODEL, varint
+    e, k = 8, 2
+    nl = 1
+    while xl_ans_rows.applies(nl + 1, e, k):
+        nl += 1
+    sch = RoutingSchema(nl, tuple(range(nl)), k, e)
+    codecs = ("xl-ans", "xl-ans-rows", "xl-zstd", "ctx-zstd", "raw-lm", "zstd", "raw")
+    head = encode_header(sch, "xl-ans", codecs=codecs, stream_id="00" * 8)
+    rng = np.random.default_rng(seed)
+    out, pos, models = [head], len(head), []
+    least, _ = xl_ans.payload_limits(nl, e, k)
+    for _ in range(num_models):
+        m = xl_ans.XlModel.empty(nl, e, k)
+        m.flags[:] = rng.integers(0, 1 << 16, m.flags.shape)
+        m.pop[:] = rng.integers(1, 1 << 16, m.pop.shape)
+        flat, cells = m.pair.reshape(-1), 64
+        while len(m.to_bytes()) < least:              # the pair tables: padding
+            flat[:cells] = rng.integers(0, 1 << 16, cells)
+            cells = min(2 * cells, flat.size)
+        payload = m.to_bytes()
+        models.append((pos, xl_ans.XlModel.from_bytes(payload, nl, e, k)))
+        frame = encode_frame(KIND_MODEL, payload)
+        out.append(frame)
+        pos += len(frame)
+    for i, (off, model) in enumerate(models):
+        t = 8
+        while True:                                    # the fewest rows over the floor
+            ids = np.argsort(rng.random((t, nl, e)), axis=-1)[..., :k].astype(np.uint8)
+            words = xl_ans_rows.encode(np.ascontiguousarray(ids[:, :1]), model, 0)
+            if len(words) >= xl_ans_rows.least_bytes(1):
+                break
+            t += 8
+        secs = [(1, varint(off) + words)] + [
+            (4, layer_major.encode(np.ascontiguousarray(ids[:, lyr:lyr + 1]), "raw-lm"))
+            for lyr in range(1, nl)]
+        frame = encode_frame(KIND_RECORD, _payload.assemble(
+            _payload.encode_meta(f"m{i:07d}", t, t, 1), secs))
+        out.append(frame)
+        pos += len(frame)
+    return b"".join(out)
+
+
+CASES["xl-ans-rows model tables per stored byte"] = xl_ans_rows_model_thrash
