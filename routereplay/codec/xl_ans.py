@@ -61,8 +61,9 @@ BYTES_PER_CALL = 32         # an xl-ans section holds at least this many bytes p
 WORK_PER_BYTE = 128         # coder work (parameter entries, :func:`work`) per section byte
 CHUNK_ROWS = 4096           # rows whose coder parameters are built at once
 MODEL_EXPANSION = 16        # a model payload's tables are at most this many times its bytes
-# how a section is refused (routereplay.codec.xl_ans_jit's decode kernel returns the code)
-OK, ENDS_EARLY, OVER_BUDGET, REPEATED_ID, FRESH_REPEATS, BAD_END = range(6)
+# how a section is refused (routereplay.codec.xl_ans_jit's decode kernels return the code;
+# FIRST_REPEATS: xl-ans-rows only, a layer's row 0 coded as a repeat)
+OK, ENDS_EARLY, OVER_BUDGET, REPEATED_ID, FRESH_REPEATS, BAD_END, FIRST_REPEATS = range(7)
 
 
 JIT_ENV = "ROUTEREPLAY_XL_ANS_JIT"

@@ -28,8 +28,8 @@ import numpy as np
 
 from routereplay.codec.ans import END_MARKER, PRECISION
 # NOTE: routereplay.codec.xl_ans imports this module on first use, once it is loaded itself
-from routereplay.codec.xl_ans import (BAD_END, CHUNK_ROWS, ENDS_EARLY, FRESH_REPEATS, OK,
-                                      OVER_BUDGET, REPEATED_ID)
+from routereplay.codec.xl_ans import (BAD_END, CHUNK_ROWS, ENDS_EARLY, FIRST_REPEATS,
+                                      FRESH_REPEATS, OK, OVER_BUDGET, REPEATED_ID)
 
 _MASK = (1 << PRECISION) - 1
 _TOTAL = 1 << PRECISION
@@ -574,7 +574,7 @@ def decode_rows(words, t, g, l0, cum, guide, nctx, first, second, rank, symbol, 
     the work allowed.
 
     Returns (error code, the MoE layer it was met at): (OK, -1) or one of ENDS_EARLY,
-    OVER_BUDGET, FRESH_REPEATS, FIRST_REPEATS (6), BAD_END (the layer -1).
+    OVER_BUDGET, FRESH_REPEATS, FIRST_REPEATS, BAD_END (the layer -1).
 
     NOTE: a symbol is found by its context's guide (the symbol at the start of q's 2^16
     slice of the range), then a step up while q is past its interval: one lookup, rarely
@@ -620,7 +620,7 @@ def decode_rows(words, t, g, l0, cum, guide, nctx, first, second, rank, symbol, 
                 r -= 1
             if s == 0:
                 if row == 0:
-                    return 6, lyr
+                    return FIRST_REPEATS, lyr
                 s = prev
                 up[row] = nsets + rank[s]
             else:

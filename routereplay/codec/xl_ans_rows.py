@@ -28,14 +28,13 @@ import constriction
 import numpy as np
 
 from routereplay.codec import ans, xl_ans
-from routereplay.codec.xl_ans import (BAD_END, ENDS_EARLY, FRESH_REPEATS, OK, OVER_BUDGET,
-                                      XlModel)
+from routereplay.codec.xl_ans import (BAD_END, ENDS_EARLY, FIRST_REPEATS, FRESH_REPEATS, OK,
+                                      OVER_BUDGET, XlModel)
 from routereplay.errors import RecordError, SidecarError
 
 MAX_TUPLES = 64             # A: a row alphabet of at most this many expert tuples
 TABLES_MAX = 4 << 20        # bytes of a model's row tables (:func:`table_bytes`) at most
 GUIDE_BITS = 8              # a context's guide: 2^8 slices of the coder's range
-FIRST_REPEATS = 6           # error code: a section's row 0 coded as a repeat
 # NOTE: a reader's coder work limit, per byte of words. A unit of row work costs about
 # 1.6 ns in the constriction path (a row's 1 + A parameters gathered, 96 ns a row at E=8
 # top-2), xl-ans's about 14 (its per-block numpy calls): 256 bounds a crafted section's
