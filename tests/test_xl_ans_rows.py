@@ -15,10 +15,7 @@ from routereplay.schema import RoutingSchema
 from routereplay.sidecar import SidecarReader, write_records
 from routereplay.sidecar import writer as writer_module
 from routereplay.testing import CrossLayerRouting
-
-
-def _source(nl=6, e=8, k=2, **kw):
-    return CrossLayerRouting.make(np.random.default_rng(7), nl, e, k, **kw)
+from tests.test_xl_ans import _on_path, _outcome, _source  # coder paths, errors as values
 
 
 def _model(src, rng, records=3, t=300):
@@ -27,21 +24,6 @@ def _model(src, rng, records=3, t=300):
         m.count(src.sample(rng, t)[0])
     return xl_ans.XlModel.from_bytes(m.stored().to_bytes(), src.num_layers, src.num_experts,
                                      src.top_k)
-
-
-def _on_path(monkeypatch, path: str, fn):
-    monkeypatch.setenv(xl_ans.JIT_ENV, "1" if path == "compiled" else "0")
-    try:
-        return fn()
-    finally:
-        monkeypatch.delenv(xl_ans.JIT_ENV)
-
-
-def _outcome(fn):
-    try:
-        return fn()
-    except SidecarError as e:
-        return f"refused: {e}"
 
 
 def test_which_schemas_it_codes():

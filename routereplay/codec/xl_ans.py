@@ -655,34 +655,45 @@ def encode(ids: np.ndarray, model: XlModel, l0: int) -> bytes:
         RecordError (a ValueError): ids not an integer array [T, G, K], an id out of
             [0, E), a row repeating an expert, or layers beyond the model's.
     """
+    jit, ids = checked_section(ids, model, l0, "xl-ans")
+    if jit is not None:
+        return jit.encode_section(ids, l0, *_tables(model).kernel_args()).astype("<u4").tobytes()
+    steps = list(_plan(ids, model, l0))
+    coder = constriction.stream.stack.AnsCoder()
+    coder.encode_reverse(np.array([ans.END_MARKER], dtype=np.int32), ans.marker_model())
+    for sym, p in reversed(steps):
+        coder.encode_reverse(sym, ans.family(), ans.contiguous(p))
+    return coder.get_compressed().astype("<u4").tobytes()
+
+
+def checked_section(ids: np.ndarray, model: XlModel, l0: int, codec: str) -> tuple[Any, np.ndarray]:
+    """What an encoder of ``codec`` (``xl-ans`` or ``xl-ans-rows``) takes from ids int
+    [T, G, K] of MoE layers l0 .. l0 + G - 1: (the numba kernels, the ids as uint8
+    C-contiguous), or (None, the ids as int64) where constriction codes.
+
+    Raises:
+        RecordError (a ValueError): ids not an integer array [T, G, K], layers or top_k
+            beyond the model's, an id out of [0, E), or a row repeating an expert."""
     _check_dtype(ids)
     t, g, k = ids.shape
     e = model.num_experts
     if l0 < 0 or l0 + g > model.num_layers or k != model.top_k:
-        raise RecordError(f"xl-ans section of layers [{l0}, {l0 + g}) x top-{k} does not fit "
+        raise RecordError(f"{codec} section of layers [{l0}, {l0 + g}) x top-{k} does not fit "
                           f"a model of {model.num_layers} layers x top-{model.top_k}")
     jit = compiled()
     if jit is not None:
         ids = np.ascontiguousarray(ids, dtype=ids.dtype.newbyteorder("="))
         bad = jit.check_ids(ids, e)
     else:
-        a = ids.astype(np.int64)
-        bad = 1 if a.size and (int(a.max()) >= e or int(a.min()) < 0) else \
-            2 if k > 1 and (np.sort(a, axis=2)[..., 1:] == np.sort(a, axis=2)[..., :-1]).any() \
-            else 0
+        ids = ids.astype(np.int64)
+        s = np.sort(ids, axis=2)
+        bad = 1 if ids.size and (int(ids.max()) >= e or int(ids.min()) < 0) else \
+            2 if k > 1 and (s[..., 1:] == s[..., :-1]).any() else 0
     if bad == 1:
         raise RecordError(f"an expert id is outside [0, {e})")
     if bad == 2:
         raise RecordError("a routing row repeats an expert")
-    if jit is not None:
-        return jit.encode_section(ids.astype(np.uint8, copy=False), l0,
-                                         *_tables(model).kernel_args()).astype("<u4").tobytes()
-    steps = list(_plan(a, model, l0))
-    coder = constriction.stream.stack.AnsCoder()
-    coder.encode_reverse(np.array([ans.END_MARKER], dtype=np.int32), ans.marker_model())
-    for sym, p in reversed(steps):
-        coder.encode_reverse(sym, ans.family(), ans.contiguous(p))
-    return coder.get_compressed().astype("<u4").tobytes()
+    return jit, ids.astype(np.uint8, copy=False) if jit is not None else ids
 
 
 def decode(data: bytes, shape: tuple[int, int, int], dtype: np.dtype, model: XlModel,

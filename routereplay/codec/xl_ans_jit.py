@@ -197,6 +197,47 @@ def _put(out, row, lp, j, s):
     return 0
 
 
+@numba.njit(nogil=True, inline="always")
+def _start(words):
+    """The decoder's state from a section's last one or two words (FORMAT.md "ANS
+    decoder"): returns (state, words left)."""
+    r = words.shape[0]
+    state = np.uint64(words[r - 1])
+    r -= 1
+    if r > 0:
+        state = (state << np.uint64(32)) | np.uint64(words[r - 1])
+        r -= 1
+    return state, r
+
+
+@numba.njit(nogil=True, inline="always")
+def _end(words, state, r):
+    """The end of a section: the end marker (one symbol under 256 equal weights, frequency
+    2^16 each) must be END_MARKER, and the decoder then empty. Returns OK or BAD_END."""
+    if state == 0 and r == 0:
+        return BAD_END
+    q = state & np.uint64(_MASK)
+    marker = q >> np.uint64(16)
+    state, r = _advance(words, state, r, np.uint64(1 << 16), q - (marker << np.uint64(16)))
+    if marker != END_MARKER or state != 0 or r != 0:
+        return BAD_END
+    return OK
+
+
+@numba.njit(nogil=True, inline="always")
+def _flush(out, w, state):
+    """The encoder's last words: ``out[:w]`` and the final state's (one or two words, none
+    for a zero state), as constriction's ``get_compressed``."""
+    if state > np.uint64(0xFFFFFFFF):
+        out[w] = np.uint32(state & np.uint64(0xFFFFFFFF))
+        out[w + 1] = np.uint32(state >> np.uint64(32))
+        w += 2
+    elif state:
+        out[w] = np.uint32(state)
+        w += 1
+    return out[:w]
+
+
 @_njit
 def _decode_column(words, state, r, tbl, base, fresh, i0, i1, lp, j, e, out):
     """Decode column j of the fresh rows ``fresh[i0:i1]`` of section layer lp into out
@@ -260,12 +301,7 @@ def decode_section(words, t, g, k, e, l0, flags, pop, cpop0, cpop1, succ, joint,
     Returns (error code, the MoE layer it was met at): (OK, -1) or one of ENDS_EARLY,
     OVER_BUDGET, REPEATED_ID, FRESH_REPEATS, BAD_END (the layer is -1 for BAD_END).
     """
-    r = words.shape[0]
-    state = np.uint64(words[r - 1])
-    r -= 1
-    if r > 0:
-        state = (state << np.uint64(32)) | np.uint64(words[r - 1])
-        r -= 1
+    state, r = _start(words)
     mask = np.uint64(_MASK)
     nc = joint.shape[1]
     fb = np.empty((min(max(t, 1), CHUNK_ROWS), e), dtype=np.int64)
@@ -340,15 +376,7 @@ def decode_section(words, t, g, k, e, l0, flags, pop, cpop0, cpop1, succ, joint,
                 if same:
                     return FRESH_REPEATS, lyr
         rep_up[:] = rep
-    # the end marker: 256 equal weights (frequency 2^16 each), then nothing left
-    if state == 0 and r == 0:
-        return BAD_END, -1
-    q = state & mask
-    marker = q >> np.uint64(16)
-    state, r = _advance(words, state, r, np.uint64(1 << 16), q - (marker << np.uint64(16)))
-    if marker != END_MARKER or state != 0 or r != 0:
-        return BAD_END, -1
-    return OK, -1
+    return _end(words, state, r), -1
 
 
 @_njit
@@ -489,14 +517,7 @@ def encode_section(ids, l0, flags, pop, cpop0, cpop1, succ, joint, cjoint0, cjoi
             hit = rep[row, lp]           # NOTE: conditional moves, as the decoder's flags
             state, w = _push(out, w, state, np.uint64(flags[lyr, x, 1] + 1) if hit else f0,
                              f0 if hit else np.uint64(0))
-    if state > np.uint64(0xFFFFFFFF):
-        out[w] = np.uint32(state & np.uint64(0xFFFFFFFF))
-        out[w + 1] = np.uint32(state >> np.uint64(32))
-        w += 2
-    elif state:
-        out[w] = np.uint32(state)
-        w += 1
-    return out[:w]
+    return _flush(out, w, state)
 
 
 # -- xl-ans-rows (routereplay.codec.xl_ans_rows): one symbol per row -----------------------
@@ -579,12 +600,7 @@ def decode_rows(words, t, g, l0, cum, guide, nctx, first, second, rank, symbol, 
     NOTE: a symbol is found by its context's guide (the symbol at the start of q's 2^16
     slice of the range), then a step up while q is past its interval: one lookup, rarely
     a step, where ``decode_section`` compares E - 1 starts per column."""
-    r = words.shape[0]
-    state = np.uint64(words[r - 1])
-    r -= 1
-    if r > 0:
-        state = (state << np.uint64(32)) | np.uint64(words[r - 1])
-        r -= 1
+    state, r = _start(words)
     mask = np.uint64(_MASK)
     k = out.shape[2]
     a2 = first.shape[0] + 1                   # A + 2 cumulative entries a context
@@ -631,14 +647,7 @@ def decode_rows(words, t, g, l0, cum, guide, nctx, first, second, rank, symbol, 
             if k == 2:
                 out[row, lp, 1] = second[s]
             prev = s
-    if state == 0 and r == 0:
-        return BAD_END, -1
-    q = state & mask
-    marker = q >> np.uint64(16)
-    state, r = _advance(words, state, r, np.uint64(1 << 16), q - (marker << np.uint64(16)))
-    if marker != END_MARKER or state != 0 or r != 0:
-        return BAD_END, -1
-    return OK, -1
+    return _end(words, state, r), -1
 
 
 @_njit
@@ -677,11 +686,4 @@ def encode_rows(ids, l0, cum, guide, nctx, first, second, rank, symbol):
             b = ctx[row, lp] * a2 + sym[row, lp]
             c0 = np.int64(cum[b])
             state, w = _push(out, w, state, np.uint64(np.int64(cum[b + 1]) - c0), np.uint64(c0))
-    if state > np.uint64(0xFFFFFFFF):
-        out[w] = np.uint32(state & np.uint64(0xFFFFFFFF))
-        out[w + 1] = np.uint32(state >> np.uint64(32))
-        w += 2
-    elif state:
-        out[w] = np.uint32(state)
-        w += 1
-    return out[:w]
+    return _flush(out, w, state)

@@ -240,29 +240,12 @@ def encode(ids: np.ndarray, model: XlModel, l0: int) -> bytes:
         RecordError (a ValueError): as routereplay.codec.xl_ans.encode, and a schema
             :func:`applies` refuses.
     """
-    xl_ans._check_dtype(ids)
-    t, g, k = ids.shape
-    e = model.num_experts
-    if l0 < 0 or l0 + g > model.num_layers or k != model.top_k:
-        raise RecordError(f"xl-ans-rows section of layers [{l0}, {l0 + g}) x top-{k} does not "
-                          f"fit a model of {model.num_layers} layers x top-{model.top_k}")
+    jit, ids = xl_ans.checked_section(ids, model, l0, "xl-ans-rows")
     rt = tables(model)
-    jit = xl_ans.compiled()
+    t, g, _ = ids.shape
     if jit is not None:
-        ids = np.ascontiguousarray(ids, dtype=ids.dtype.newbyteorder("="))
-        bad = jit.check_ids(ids, e)
-    else:
-        a = ids.astype(np.int64)
-        bad = 1 if a.size and (int(a.max()) >= e or int(a.min()) < 0) else \
-            2 if k == 2 and (a[..., 0] == a[..., 1]).any() else 0
-    if bad == 1:
-        raise RecordError(f"an expert id is outside [0, {e})")
-    if bad == 2:
-        raise RecordError("a routing row repeats an expert")
-    if jit is not None:
-        return jit.encode_rows(ids.astype(np.uint8, copy=False), l0,
-                               *rt.kernel_args(jit)).astype("<u4").tobytes()
-    sym = _symbols(a, rt)
+        return jit.encode_rows(ids, l0, *rt.kernel_args(jit)).astype("<u4").tobytes()
+    sym = _symbols(ids, rt)
     ctx = np.empty((t, g), dtype=np.int64)
     resolved = None
     for lp in range(g):
