@@ -14,7 +14,6 @@ from routereplay.record import RoutingRecord
 from routereplay.schema import RoutingSchema
 from routereplay.sidecar import SidecarReader, write_records
 from routereplay.sidecar import writer as writer_module
-from routereplay.testing import CrossLayerRouting
 from tests.test_xl_ans import _on_path, _outcome, _source  # coder paths, errors as values
 
 
