@@ -242,6 +242,19 @@ def test_a_writer_is_set_to_xl_ans_not_to_its_row_layout():
     assert "xl-ans-rows" not in codec.WRITER_CODECS and "xl-ans" in codec.WRITER_CODECS
 
 
+def test_convert_refuses_the_row_layout_as_its_codec_by_name(tmp_path):
+    """`convert --codec xl-ans-rows` says why (the newcomer review: argparse's bare
+    "invalid choice")."""
+    from tests.conftest import run_py
+    np.save(tmp_path / "a.npy", np.argsort(np.random.default_rng(0).random((50, 4, 8)),
+                                           axis=-1)[..., :2].astype(np.uint8))
+    p = run_py(["-m", "routereplay.cli", "convert", "--from", "npy", str(tmp_path / "a.npy"),
+                "--out", str(tmp_path / "o.rrsc"), "--num-experts", "8", "--top-k", "2",
+                "--num-layers", "4", "--codec", "xl-ans-rows"], timeout=60)
+    assert p.returncode == 2 and "section layout of 'xl-ans'" in p.stderr, p.stderr
+    assert not (tmp_path / "o.rrsc").exists()
+
+
 def test_no_model_frame_on_records_whose_sections_sit_at_the_floor():
     """64-token records of 32 MoE layers code to about the rows' floor (32 bytes a layer),
     so about half of them fall under it. A model frame bet on such a record's savings lost
@@ -290,3 +303,25 @@ def test_the_compiled_row_tables_are_the_specs():
         start = np.arange(guide.shape[1]) << (24 - xl_ans_rows.GUIDE_BITS)
         rows = np.arange(cum.shape[0])[:, None]
         assert (cum[rows, guide] <= start).all() and (start < cum[rows, guide + 1]).all(), i
+
+
+def test_inspect_counts_routing_sections_by_codec(tmp_path):
+    """Which layout an xl-ans writer picked is visible without internals (the newcomer
+    review copied a benchmark's private helper to see it): SidecarReader.routing_codecs and
+    `routereplay inspect` (text and --json)."""
+    import json
+
+    from tests.conftest import run_py
+    src = _source(8, 8, 2)
+    data, recs = _stream(src, 8, np.random.default_rng(1))
+    r = SidecarReader(data)
+    per = [r.routing_codecs(x.sample_id) for x in recs]
+    assert sum(p.get("xl-ans-rows", 0) for p in per) >= 5 and per[0] == {"xl-zstd": 1}
+    path = tmp_path / "s.rrsc"
+    path.write_bytes(data)
+    p = run_py(["-m", "routereplay.cli", "inspect", str(path), "--json"], timeout=60)
+    assert p.returncode == 0, p.stderr
+    got = json.loads(p.stdout)["routing_codecs"]
+    assert got == {c: sum(x.get(c, 0) for x in per) for c in got} and sum(got.values()) == 8
+    p = run_py(["-m", "routereplay.cli", "inspect", str(path)], timeout=60)
+    assert "routing sections by codec: xl-ans-rows" in p.stdout, p.stdout

@@ -125,6 +125,7 @@ def _cmd_inspect(a: argparse.Namespace) -> int:
         schema = r.schema
         streams = []
         routing_bytes = 0
+        codecs: dict[str, int] = {}         # routing sections by codec
         for rd in _progress(readers, a, desc="scan", unit="stream"):
             n0 = len(out["records"])
             for fi in rd.scan():
@@ -133,6 +134,8 @@ def _cmd_inspect(a: argparse.Namespace) -> int:
                 m = fi.meta
                 try:
                     routing_bytes += rd.record_bytes(m.sample_id).routing
+                    for c, n in rd.routing_codecs(m.sample_id).items():
+                        codecs[c] = codecs.get(c, 0) + n
                 except RouteReplayError as e:
                     out["errors"].append(f"{rd.name}: {e}")
                 out["records"].append({
@@ -169,6 +172,7 @@ def _cmd_inspect(a: argparse.Namespace) -> int:
         rows = out["num_tokens"] * schema.num_moe_layers
         out["bits_per_token_layer"] = 8.0 * r.size / rows if rows else None
         out["routing_bits_per_token_layer"] = 8.0 * routing_bytes / rows if rows else None
+        out["routing_codecs"] = dict(sorted(codecs.items(), key=lambda kv: -kv[1]))
         out["schema"] = schema.to_dict()
     return _emit_inspect(out, a.json, 1 if out["errors"] else 0)
 
@@ -195,6 +199,9 @@ def _emit_inspect(out: dict, as_json: bool, rc: int) -> int:
         print(f"format v{out['format_version']}, codec {out['codec']}, column order "
               f"{out['column_order']}, weight versions {out['versions']}"
               + ("" if out["complete"] else ", NOT COMPLETE"))
+    if out.get("routing_codecs"):
+        print("routing sections by codec: " + ", ".join(
+            f"{c} {n}" for c, n in out["routing_codecs"].items()))
     if "schema" in out:
         print(f"schema {out['schema']}")
     for st in out.get("streams", []):
@@ -615,7 +622,7 @@ def _version() -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from routereplay.codec import WRITER_CODECS
+    from routereplay.codec import CODECS
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument("--no-progress", action="store_true",
                         help="no progress bars (ours, tqdm's and transformers')")
@@ -671,11 +678,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="decoder layers that are MoE, e.g. '1-23' or '1,3,5'")
     c.add_argument("--num-layers", type=_positive_int,
                    help="num_hidden_layers (default: max MoE layer + 1)")
-    c.add_argument("--codec", default=None, choices=WRITER_CODECS,
+    c.add_argument("--codec", default=None, choices=CODECS,
                    help="routing codec (default xl-zstd, ctx-zstd with --format-version 2; "
                         "ctx-ans-sorted with --column-order sorted; xl-ans: smallest on routing "
-                        "whose layers depend on each other, E <= 64, a writer at about 25 MB/s "
-                        "with numba (5-9 at E=64); "
+                        "whose layers depend on each other, E <= 64, a writer at about 25-30 MB/s "
+                        "with numba (5-8 at E=64); "
                         "ctx-ans: small, slower)")
     c.add_argument("--column-order", default="engine", choices=["engine", "sorted"])
     c.add_argument("--layer-group", type=_positive_int, default=None,

@@ -74,7 +74,7 @@ _JIT_WARNED: set = set()    # values of ROUTEREPLAY_XL_ANS_JIT already warned ab
 
 def compiled() -> Any:
     """routereplay.codec.xl_ans_jit (numba kernels, imported on first call), or None: then
-    this module codes with constriction (the same bytes, its section coder 5-20x slower).
+    this module codes with constriction (the same bytes, its section coder 4-11x slower).
 
     ``ROUTEREPLAY_XL_ANS_JIT`` (read at every call): unset or ``auto``: the kernels where
     numba imports, else constriction with a RuntimeWarning, once per process (a trainer
@@ -114,7 +114,7 @@ def compiled() -> Any:
         if not _JIT[2]:
             _JIT[2] = True
             warnings.warn(f"routereplay: {_JIT[1]}; xl-ans is coded with constriction (the same "
-                          f"bytes, 5-20x slower)", RuntimeWarning, stacklevel=3)
+                          f"bytes, 4-11x slower)", RuntimeWarning, stacklevel=3)
     return _JIT[0]
 
 

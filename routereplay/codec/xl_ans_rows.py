@@ -38,8 +38,8 @@ GUIDE_BITS = 8              # a context's guide: 2^8 slices of the coder's range
 # NOTE: a reader's coder work limit, per byte of words. A unit of row work costs about
 # 1.6 ns in the constriction path (a row's 1 + A parameters gathered, 96 ns a row at E=8
 # top-2), xl-ans's about 14 (its per-block numpy calls): 256 bounds a crafted section's
-# decode at about 0.4 s per MiB there (0.05 with numba), and lets rows code routing down to
-# about 1.8 bits a row at E=8 top-2 (repeat rates up to about 0.6)
+# decode at about 0.5 s per MiB there (0.1 with numba), and lets rows code routing down to
+# about 1.8 bits a row at E=8 top-2 (repeat rates up to about 0.75 on the benchmark's source)
 WORK_PER_BYTE = 256
 _FLAG_SHIFT, _TUPLE_SHIFT = 10, 14  # weights: repeat g1 * 2^10, tuple p * g0 / 2^14 (FORMAT.md)
 
@@ -61,8 +61,8 @@ def table_bytes(num_layers: int, num_experts: int, top_k: int) -> int:
 def applies(num_layers: int, num_experts: int, top_k: int) -> bool:
     """Whether ``xl-ans-rows`` codes this schema: top-1 or top-2, 2 <= A <= MAX_TUPLES
     (top-2: E <= 8), a joint table, and row tables of at most ``TABLES_MAX`` bytes (a
-    reader keeps them per model, at most 16: 64 MiB; E=8 top-2 up to 107 MoE layers,
-    E=64 top-1 up to 40).
+    reader keeps them per model, at most 16: 64 MiB; E=8 top-2 up to 106 MoE layers,
+    E=64 top-1 up to 41).
 
     NOTE: the guide is one uint8 per slice, and the tables grow as L x C x A."""
     a = tuples(num_experts, top_k)

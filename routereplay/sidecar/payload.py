@@ -49,8 +49,8 @@ ARRAY_CODECS = ("zstd", "raw")
 # runs); the writer stores a section that would exceed the limit with the next codec that
 # fits (FALLBACK), so it never writes what readers refuse: only near-constant routing
 # (over 128x) is stored raw. The ANS codecs get the lowest factors: ctx-ans decodes at
-# 5-90 MB/s of ids, xl-ans at 12-68 with numba (2-10 with constriction: E entries a
-# symbol), ctx-zstd at 60-2000 MB/s.
+# 5-90 MB/s of ids, xl-ans at 12-90 with numba and xl-ans-rows at 120-215 (2-25 with
+# constriction: E entries a symbol, 1 + A a row), ctx-zstd at 60-2000 MB/s.
 EXPANSION = {"ctx-ans": 16, "ctx-ans-sorted": 16, "xl-ans": 8, "xl-ans-rows": 8, "ctx-zstd": 64,
              "xl-zstd": 64,
              "zstd-lm": 64,

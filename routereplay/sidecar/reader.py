@@ -888,6 +888,40 @@ class SidecarReader:
         return RecordBytes(sample_id, FRAME_HEADER_SIZE + fh.payload_len, routing, arrays,
                            sum(1 for s in meta.sections if s.name == "routing"))
 
+    @_serialized
+    def routing_codecs(self, sample_id: str) -> dict[str, int]:
+        """How many of a record's routing sections each codec stores: {codec name: count}
+        (e.g. ``{"xl-ans-rows": 1}``; a writer of ``xl-ans`` picks per section among
+        ``xl-ans-rows``, ``xl-ans`` and ``xl-zstd``). Version 3 reads each section's codec
+        byte (one read of the record's body); versions 1-2 the meta.
+
+        Raises:
+            UnknownSampleError (a KeyError): no such sample id.
+            SidecarError: the frame is corrupt, its section table out of place, or a codec
+                byte outside the header's table."""
+        off, got = self._frame_meta(sample_id)
+        out: dict[str, int] = {}
+        if self.version >= 3:
+            h: _Head = got
+            grid = h.grid
+            ends = self._table_ends(grid, self._payload(h, grid.head_len, h.body_at),
+                                    h.payload_len - h.body_at)
+            body = self._payload(h, h.body_at, h.payload_len)
+            for i in range(grid.n_routing):
+                at = int(ends[i]) + 4
+                cb = body[at] if at < len(body) else len(self._codecs)
+                if cb >= len(self._codecs):
+                    raise SidecarError(f"sample {sample_id!r}: {grid.describe(i)} has codec "
+                                       f"byte {cb}, outside the header's table", offset=off,
+                                       sample_id=sample_id)
+                out[self._codecs[cb]] = out.get(self._codecs[cb], 0) + 1
+            return out
+        meta, _body = got
+        for sec in meta.sections:
+            if sec.name == "routing":
+                out[sec.codec] = out.get(sec.codec, 0) + 1
+        return out
+
     def records(self, *, strict: bool = True, **kw: Any) -> Iterator[RoutingRecord]:
         """Iterate over all records in stream order.
 

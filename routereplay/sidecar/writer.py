@@ -161,7 +161,7 @@ class SidecarWriter:
             the records written and writes it into the stream as a model frame (kind 3)
             when it pays for itself; later sections use it where smaller than ``xl-zstd``
             (7-14 % smaller streams on routing whose layers depend on each other; a
-            writer at about 25 MB/s with numba, about 5 without, E=8 top-2; grid layer group
+            writer at about 25-30 MB/s with numba, about 8 without, E=8 top-2; grid layer group
             8 by default; sections ``xl-ans-rows`` where it applies: top-1, or top-2 of at
             most 8 experts). docs/FORMAT.md "xl-ans", "xl-ans-rows".
         column_order: "engine" (default: top-k columns exactly as the engine returned
