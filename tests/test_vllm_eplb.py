@@ -40,7 +40,7 @@ def test_physical_slot_ids_are_refused_as_routing(schema):
         checked_moe_ids(full, schema, "x")
 
 
-def test_plugin_refuses_a_bad_destination_and_parses_references(tmp_path):
+def test_plugin_refuses_a_bad_destination_and_parses_references(tmp_path, monkeypatch):
     from engine_patches.vllm import plugin
     from routereplay.errors import RouteReplayError
     with pytest.raises(RouteReplayError, match="does not exist"):
@@ -49,6 +49,12 @@ def test_plugin_refuses_a_bad_destination_and_parses_references(tmp_path):
         plugin.install(str(tmp_path / "x.rrsc"), codec="ctx-zst")
     with pytest.raises(RouteReplayError, match="needs column_order='sorted'"):
         plugin.install(str(tmp_path / "x.rrsc"), codec="ctx-ans-sorted")
+    # install() without codec= follows ROUTEREPLAY_CODEC, as the plugin's entry point does
+    # (the framework review: the variable was ignored in-process, the streams xl-zstd)
+    monkeypatch.setenv("ROUTEREPLAY_CODEC", "ctx-zst")
+    with pytest.raises(RouteReplayError, match="ROUTEREPLAY_CODEC='ctx-zst': unknown codec"):
+        plugin.install(str(tmp_path / "x.rrsc"))
+    monkeypatch.delenv("ROUTEREPLAY_CODEC")
     assert plugin.stats() == {}                        # nothing half-installed
     ref = plugin.SidecarRef.make("/data/r.rrsc", "req#7/1")
     assert plugin.SidecarRef.parse(ref) == ("/data/r.rrsc", "req#7/1")

@@ -94,14 +94,17 @@ def _streamer():
     return None if cap is None else cap.STREAMER
 
 
-def install(dest: str, *, reference: bool = False, codec: str | None = None,
+def install(dest: str, *, reference: bool | None = None, codec: str | None = None,
             schema: Any = None, weight_version: str | None = None) -> None:
     """Stream finished requests' routing to ``dest`` in this process (see module doc).
 
     Args:
         dest: file path, fsspec URL, or folder.
-        reference: hand out :class:`SidecarRef` references (``ROUTEREPLAY_RESPONSE``).
-        codec: routing codec (default: the writer's, ``xl-zstd``).
+        reference: hand out :class:`SidecarRef` references; None (default): as
+            ``ROUTEREPLAY_RESPONSE`` says (``reference``), else not.
+        codec: routing codec; None (default): ``ROUTEREPLAY_CODEC`` where set, else the
+            writer's, ``xl-zstd``. (The framework review: a process that set the variable
+            and called ``install()`` got ``xl-zstd`` streams, silently.)
         schema: the model's RoutingSchema, for an engine built before this call (otherwise
             taken from the next engine's config).
         weight_version: label of the first stream until its first record: records carry
@@ -116,8 +119,10 @@ def install(dest: str, *, reference: bool = False, codec: str | None = None,
     Idempotent: a second call changes nothing.
     """
     from engine_patches.vllm import capture
-    capture.install(dest, reference=reference, codec=codec, schema=schema,
-                    weight_version=weight_version)
+    if reference is None:
+        reference = os.environ.get(ENV_RESPONSE, "") == "reference"
+    capture.install(dest, reference=reference, codec=codec or os.environ.get(ENV_CODEC) or None,
+                    schema=schema, weight_version=weight_version)
 
 
 def installed() -> bool:
@@ -186,5 +191,4 @@ def register() -> None:
     except ImportError as e:
         log.error("routereplay: routing capture is off: %s", e)
         return
-    install(dest, reference=os.environ.get(ENV_RESPONSE, "") == "reference",
-            codec=os.environ.get(ENV_CODEC) or None)
+    install(dest)                   # NOTE: install reads ROUTEREPLAY_RESPONSE and _CODEC

@@ -16,7 +16,8 @@ where numba is installed (vLLM depends on it; ``pip install 'routereplay[jit]'``
 elsewhere). The kernels compile on their first call (5-11 s in all) and are cached on
 disk (in ``NUMBA_CACHE_DIR`` when set, else next to this file where writable, else in
 numba's per-user cache; later processes load them in 0.2-2 s). They release the GIL: threads
-each with their own SidecarReader decode in parallel (one reader's methods take turns).
+each with their own SidecarReader overlap their decoding (one reader's methods take
+turns; the rest of a read holds the GIL).
 
 Shape legend: T rows, G layers of the section, K = top_k, E = num_experts, L = the model's
 MoE layers, C = expert sets of the joint table (possibly 0).

@@ -355,8 +355,8 @@ class SidecarReader:
 
     @property
     def model_frames(self) -> dict[int, int]:
-        """``xl-ans`` model frames found by :meth:`scan` so far: frame offset -> its bytes
-        (frame header included). Empty until :meth:`scan` has run (reads through the index
+        """``xl-ans`` model frames found by :meth:`scan` so far: frame offset -> its size in
+        bytes (frame header included). Empty until :meth:`scan` has run (reads through the index
         do not scan; ``inspect`` does). Routing data shared by the records after it; a
         corrupt one is reported in :attr:`errors` and makes the sections that name it
         unreadable."""
