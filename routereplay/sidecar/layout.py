@@ -173,9 +173,9 @@ def encode_header(schema: RoutingSchema, codec: str | None = None,
 
 def codec_table(codec: str) -> tuple[str, ...]:
     """The version-3 codec table a writer whose routing codec is ``codec`` declares: that
-    codec, the codecs it may store a section with (``xl-ans``: ``xl-ans-rows``, ``xl-zstd``; every codec:
-    ``ctx-zstd``, ``raw-lm``), and the array codecs ``zstd`` and ``raw``. A section's codec
-    byte is an index into it."""
+    codec, the codecs it may store a section with (``xl-ans``: ``xl-ans-rows``, listed
+    whatever the schema, and ``xl-zstd``; every codec: ``ctx-zstd``, ``raw-lm``), and the
+    array codecs ``zstd`` and ``raw``. A section's codec byte is an index into it."""
     extra = ("xl-ans-rows", "xl-zstd") if codec == "xl-ans" else ()
     return tuple(dict.fromkeys((codec,) + extra + ("ctx-zstd", "raw-lm", "zstd", "raw")))
 

@@ -80,9 +80,9 @@ def writer_codec(codec: str | None, column_order: str = "engine",
 
     Raises:
         ConfigError (a ValueError): unknown codec or column order, ``xl-ans-rows`` (a
-            layout the ``xl-ans`` writer picks), ``ctx-ans-sorted`` for engine order, or ``xl-ans`` for ``format_version=2``, (given ``schema``)
-            for more than 64 experts, or with ``ROUTEREPLAY_XL_ANS_JIT=1`` where numba does
-            not import.
+            layout the ``xl-ans`` writer picks), ``ctx-ans-sorted`` for engine order, or
+            ``xl-ans`` for ``format_version=2``, (given ``schema``) for more than 64
+            experts, or with ``ROUTEREPLAY_XL_ANS_JIT=1`` where numba does not import.
     """
     if column_order not in COLUMN_ORDERS:
         raise ConfigError(f"column_order must be one of {COLUMN_ORDERS}")
