@@ -302,13 +302,17 @@ def decode(data: bytes, shape: tuple[int, int, int], dtype: np.dtype, model: XlM
             raise _error(OVER_BUDGET, len(data), where)
         ctx = _contexts(t, sym, resolved, lyr, rt)
         sym = np.empty(t, dtype=np.int32)
-        for sl in xl_ans._chunks(t):              # NOTE: a chunk's parameters at a time
+        # NOTE: a chunk's parameters at a time, its rows checked before the next chunk is
+        # decoded (where the compiled decoder stops: the same error at the same place)
+        for sl in xl_ans._chunks(t):
             sym[sl] = dec.decode_params(rt.params()[ctx[sl]], where)
-        if t and sym[0] == 0:
-            raise _error(FIRST_REPEATS, len(data), where)
+            if sym[0] == 0:
+                raise _error(FIRST_REPEATS, len(data), where)
+            resolved = _resolve(sym[:sl.stop])
+            a = max(sl.start, 1)
+            if ((sym[a:sl.stop] != 0) & (sym[a:sl.stop] == resolved[a - 1:sl.stop - 1])).any():
+                raise _error(FRESH_REPEATS, len(data), where)
         resolved = _resolve(sym)
-        if t > 1 and ((sym[1:] != 0) & (sym[1:] == resolved[:-1])).any():
-            raise _error(FRESH_REPEATS, len(data), where)
         out[:, lp, 0] = rt.first[resolved]
         if k == 2:
             out[:, lp, 1] = rt.second[resolved]
