@@ -102,6 +102,27 @@ def _outcome(fn):
         return f"refused: {e}"
 
 
+def _same_words_on_both_paths(monkeypatch, mod, xs, model, l0, floor, work, per_byte, where):
+    """``mod`` (routereplay.codec.xl_ans or xl_ans_rows) codes ids ``xs`` to the same words
+    on both coder paths; a section of words under ``floor`` bytes, or of ``work`` over
+    ``per_byte`` x its bytes, is refused by the reader (both paths), else both decode it to
+    ``xs``. ``where``: shown on a failure."""
+    a, b = (_on_path(monkeypatch, p, lambda: mod.encode(xs, model, l0))
+            for p in ("compiled", "constriction"))
+    assert a == b, where
+    if len(a) < floor:
+        with pytest.raises(SidecarError, match="floor"):
+            mod.decode(a, xs.shape, np.uint8, model, l0)
+        return
+    for p in ("compiled", "constriction"):
+        if work > per_byte * len(a):
+            with pytest.raises(SidecarError, match="coder work"):
+                _on_path(monkeypatch, p, lambda: mod.decode(a, xs.shape, np.uint8, model, l0))
+            continue
+        got = _on_path(monkeypatch, p, lambda: mod.decode(a, xs.shape, np.uint8, model, l0))
+        assert np.array_equal(got, xs), (p, where)
+
+
 @pytest.mark.parametrize("e,k,nl", [(8, 2, 5), (2, 1, 3), (12, 2, 3), (8, 3, 3), (16, 4, 3),
                                     (64, 6, 2)])
 def test_compiled_and_constriction_coders_write_the_same_words(monkeypatch, e, k, nl):
@@ -134,15 +155,9 @@ def test_compiled_and_constriction_coders_write_the_same_words(monkeypatch, e, k
             assert (x[1:] != x[:-1]).any(axis=2).all()
         for l0 in range(nl) if t < 7000 else (0,):
             xs = np.ascontiguousarray(x[:, l0:])
-            a, b = (_on_path(monkeypatch, p, lambda: xl_ans.encode(xs, model, l0))
-                    for p in ("compiled", "constriction"))
-            assert a == b, (t, l0)
-            if len(a) < xl_ans.least_bytes(xs.shape[1], k):
-                continue
-            for p in ("compiled", "constriction"):
-                got = _on_path(monkeypatch, p,
-                               lambda: xl_ans.decode(a, xs.shape, np.uint8, model, l0))
-                assert np.array_equal(got, xs), (p, t, l0)
+            _same_words_on_both_paths(monkeypatch, xl_ans, xs, model, l0,
+                                      xl_ans.least_bytes(xs.shape[1], k),
+                                      xl_ans.section_work(xs, e), xl_ans.WORK_PER_BYTE, (t, l0))
 
 
 def test_without_numba_xl_ans_warns_once_and_codes_the_same_bytes():
@@ -226,6 +241,41 @@ def test_compiled_frequencies_are_exactly_the_formats():
         assert np.array_equal(f[:u.size], ans.frequencies(u)), u
 
 
+def _corrupt_variants(rng, words, flips, garbage_words):
+    """Corrupt versions of a section's ``words``: cut, extended, a zero last word, halved,
+    ``flips`` single-bit flips, then 40 sparse garbage sections of each length in
+    ``garbage_words`` (u32 words; decoders that run dry inside a block)."""
+    cases = [words[:-4], words[4:], words + b"\x01\0\0\0", words[:-4] + bytes(4),
+             words[:len(words) // 2], words + words[-8:]]
+    for i in rng.integers(0, len(words), flips):
+        b = bytearray(words)
+        b[i] ^= 1 << int(rng.integers(0, 8))
+        cases.append(bytes(b))
+    for n in garbage_words:
+        for _ in range(40):
+            w = np.zeros(n, dtype="<u4")
+            idx = rng.integers(0, n, 3)
+            w[idx] = rng.integers(1, 1 << 32, 3, dtype=np.uint64)
+            w[-1] = max(int(w[-1]), 1)
+            cases.append(w.tobytes())
+    return cases
+
+
+def _same_verdicts(monkeypatch, decode, cases):
+    """Each of ``cases`` decoded on both coder paths gives the same ids or the same error,
+    message included; returns the errors (one per refused case)."""
+    refused = []
+    for data in cases:
+        a, b = (_on_path(monkeypatch, p, lambda: _outcome(lambda: decode(data)))
+                for p in ("compiled", "constriction"))
+        if isinstance(a, str) or isinstance(b, str):
+            assert a == b, (a, b)
+            refused.append(a)
+        else:
+            assert np.array_equal(a, b)
+    return refused
+
+
 def test_compiled_and_constriction_coders_refuse_the_same_corrupt_sections(monkeypatch):
     """Flipped bytes, cut or added words, a zero last word, sparse garbage words (decoders
     that run dry inside a block): each corrupt section gets the same verdict from both paths,
@@ -235,30 +285,11 @@ def test_compiled_and_constriction_coders_refuse_the_same_corrupt_sections(monke
     model = _model(src, rng)
     x = src.sample(rng, 300)[0]
     words = xl_ans.encode(x, model, 0)
-    cases = [words[:-4], words[4:], words + b"\x01\0\0\0", words[:-4] + bytes(4),
-             words[:len(words) // 2], words + words[-8:]]
-    for i in rng.integers(0, len(words), 60):
-        b = bytearray(words)
-        b[i] ^= 1 << int(rng.integers(0, 8))
-        cases.append(bytes(b))
-    for n in (64, 96, 200):                     # at least the floor: 32 bytes x 4 x 3 calls
-        for _ in range(40):
-            w = np.zeros(n, dtype="<u4")
-            idx = rng.integers(0, n, 3)
-            w[idx] = rng.integers(1, 1 << 32, 3, dtype=np.uint64)
-            w[-1] = max(int(w[-1]), 1)
-            cases.append(w.tobytes())
-    refused = 0
-    for data in cases:
-        a, b = (_on_path(monkeypatch, p, lambda: _outcome(
-            lambda: xl_ans.decode(data, x.shape, np.uint8, model, 0)))
-            for p in ("compiled", "constriction"))
-        if isinstance(a, str) or isinstance(b, str):
-            assert a == b, (a, b)
-            refused += 1
-        else:
-            assert np.array_equal(a, b)
-    assert refused > 100
+    # garbage of at least the floor: 32 bytes x 4 layers x 3 calls
+    cases = _corrupt_variants(rng, words, 60, (64, 96, 200))
+    refused = _same_verdicts(monkeypatch, lambda data: xl_ans.decode(data, x.shape, np.uint8,
+                                                                     model, 0), cases)
+    assert len(refused) > 100
 
 
 def test_models_whose_tables_do_not_fit_their_shape_are_refused_before_coding(coder_path):

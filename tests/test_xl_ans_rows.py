@@ -4,6 +4,9 @@ the same words and refuse the same corrupt sections; the writer picks it per sec
 applies. The spec reader's side: tests/test_xl_ans_spec.py."""
 from __future__ import annotations
 
+import contextlib
+from unittest import mock
+
 import numpy as np
 import pytest
 
@@ -14,7 +17,8 @@ from routereplay.record import RoutingRecord
 from routereplay.schema import RoutingSchema
 from routereplay.sidecar import SidecarReader, write_records
 from routereplay.sidecar import writer as writer_module
-from tests.test_xl_ans import _on_path, _outcome, _source  # coder paths, errors as values
+from tests.test_xl_ans import (_corrupt_variants, _on_path, _outcome,  # helpers
+                               _same_verdicts, _same_words_on_both_paths, _source)
 
 
 def _model(src, rng, records=3, t=300):
@@ -56,23 +60,11 @@ def test_both_coders_write_the_same_words_and_read_them(monkeypatch, e, k, nl):
             x[5:20] = x[4]                                   # long repeats
         for l0 in range(nl):
             xs = np.ascontiguousarray(x[:, l0:], dtype=np.uint8)
-            a, b = (_on_path(monkeypatch, p, lambda: xl_ans_rows.encode(xs, model, l0))
-                    for p in ("compiled", "constriction"))
-            assert a == b, (t, l0)
-            if len(a) < xl_ans_rows.least_bytes(xs.shape[1]):
-                with pytest.raises(SidecarError, match="floor"):
-                    xl_ans_rows.decode(a, xs.shape, np.uint8, model, l0)
-                continue
-            if xl_ans_rows.section_work(xs.shape, e) > xl_ans_rows.WORK_PER_BYTE * len(a):
-                for p in ("compiled", "constriction"):   # the writer codes xl-ans there
-                    with pytest.raises(SidecarError, match="coder work"):
-                        _on_path(monkeypatch, p, lambda: xl_ans_rows.decode(
-                            a, xs.shape, np.uint8, model, l0))
-                continue
-            for p in ("compiled", "constriction"):
-                got = _on_path(monkeypatch, p,
-                               lambda: xl_ans_rows.decode(a, xs.shape, np.uint8, model, l0))
-                assert np.array_equal(got, xs), (p, t, l0)
+            # NOTE: over the work limit the writer codes xl-ans instead
+            _same_words_on_both_paths(monkeypatch, xl_ans_rows, xs, model, l0,
+                                      xl_ans_rows.least_bytes(xs.shape[1]),
+                                      xl_ans_rows.section_work(xs.shape, e),
+                                      xl_ans_rows.WORK_PER_BYTE, (t, l0))
 
 
 def test_same_size_as_xl_ans_columns():
@@ -95,31 +87,11 @@ def test_both_coders_refuse_the_same_corrupt_sections(monkeypatch):
     model = _model(src, rng)
     x = src.sample(rng, 300)[0].astype(np.uint8)
     words = xl_ans_rows.encode(x, model, 0)
-    cases = [words[:-4], words[4:], words + b"\x01\0\0\0", words[:-4] + bytes(4),
-             words[:len(words) // 2], words + words[-8:]]
-    for i in rng.integers(0, len(words), 80):
-        b = bytearray(words)
-        b[i] ^= 1 << int(rng.integers(0, 8))
-        cases.append(bytes(b))
-    for n in (32, 48, 200):
-        for _ in range(40):
-            w = np.zeros(n, dtype="<u4")
-            idx = rng.integers(0, n, 3)
-            w[idx] = rng.integers(1, 1 << 32, 3, dtype=np.uint64)
-            w[-1] = max(int(w[-1]), 1)
-            cases.append(w.tobytes())
-    refused, messages = 0, set()
-    for data in cases:
-        a, b = (_on_path(monkeypatch, p, lambda: _outcome(
-            lambda: xl_ans_rows.decode(data, x.shape, np.uint8, model, 0)))
-            for p in ("compiled", "constriction"))
-        if isinstance(a, str) or isinstance(b, str):
-            assert a == b, (a, b)
-            refused += 1
-            messages.add(a.split(" at ")[0])
-        else:
-            assert np.array_equal(a, b)
-    assert refused > 100
+    cases = _corrupt_variants(rng, words, 80, (32, 48, 200))
+    refused = _same_verdicts(monkeypatch, lambda data: xl_ans_rows.decode(
+        data, x.shape, np.uint8, model, 0), cases)
+    assert len(refused) > 100
+    messages = {m.split(" at ")[0] for m in refused}
     assert any("first row of a layer as a repeat" in m for m in messages), messages
     assert any("fresh that repeats" in m for m in messages), messages
 
@@ -174,15 +146,16 @@ def _stream(src, records, rng, rows=True):
                            src.num_experts)
     recs = [RoutingRecord(f"s{i}", src.sample(rng, 1024)[0].astype(np.uint8))
             for i in range(records)]
-    table = writer_module.codec_table
-    if not rows:         # the codec table of writers before xl-ans-rows
-        writer_module.codec_table = lambda c: ("xl-ans", "xl-zstd", "ctx-zstd", "raw-lm",
-                                               "zstd", "raw")
-    try:
+    with contextlib.nullcontext() if rows else writers_before_rows():
         data = write_records(None, schema, recs, codec="xl-ans", background=False).getvalue()
-    finally:
-        writer_module.codec_table = table
     return data, recs
+
+
+def writers_before_rows():
+    """Writers opened inside declare the codec table of writers before xl-ans-rows
+    (``xl-ans``, ``xl-zstd``, ...), so their sections take xl-ans: the streams those wrote."""
+    return mock.patch.object(writer_module, "codec_table", lambda c: (
+        "xl-ans", "xl-zstd", "ctx-zstd", "raw-lm", "zstd", "raw"))
 
 
 def _section_codecs(data):

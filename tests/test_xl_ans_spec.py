@@ -1,6 +1,7 @@
 """`xl-ans` streams (docs/FORMAT.md "### `xl-ans`", "#### Model payload (kind 3)") read by
 the independent spec reader (tests/spec_reader.py), and corrupt ones refused by both it and
 routereplay's reader."""
+import contextlib
 import math
 import struct
 import zlib
@@ -14,7 +15,7 @@ from routereplay.errors import SidecarError
 from routereplay.record import RoutingRecord
 from routereplay.schema import RoutingSchema
 from routereplay.sidecar import SidecarReader, SidecarWriter
-from routereplay.sidecar import writer as writer_module
+from tests.test_xl_ans_rows import writers_before_rows
 from routereplay.testing import CrossLayerRouting
 from tests import spec_reader
 
@@ -43,15 +44,8 @@ def build(case):
     rng = np.random.default_rng(11)
     src = CrossLayerRouting.make(np.random.default_rng(7), lmoe, e, k)
     schema = RoutingSchema(lmoe + 1, tuple(range(1, lmoe + 1)), k, e)
-    table = writer_module.codec_table
-    if case.endswith("-cols"):
-        # NOTE: the codec table of writers before xl-ans-rows: sections take xl-ans
-        writer_module.codec_table = lambda c: ("xl-ans", "xl-zstd", "ctx-zstd", "raw-lm",
-                                               "zstd", "raw")
-    try:
+    with writers_before_rows() if case.endswith("-cols") else contextlib.nullcontext():
         w = SidecarWriter(None, schema, codec="xl-ans", background=False)
-    finally:
-        writer_module.codec_table = table
     ids_in = []
     for i, t in enumerate(lens):
         ids, _ = src.sample(rng, t)

@@ -339,6 +339,7 @@ def encode_record_payload(record: RoutingRecord, schema: RoutingSchema,
                                                   one_section_bytes, min_section_bytes)
     nb, ng = max(1, -(-t // b_rows)), -(-nl // g_layers)
     secs: list[tuple[str, bytes, int]] = []          # (codec, data, decoded bytes)
+    layers: list[int] = []                           # MoE layers of each routing section
     for i, blob in enumerate(blobs):
         g, b = divmod(i, nb)
         part = ids[b * b_rows:(b + 1) * b_rows, g * g_layers:(g + 1) * g_layers]
@@ -347,6 +348,7 @@ def encode_record_payload(record: RoutingRecord, schema: RoutingSchema,
         if codec == "xl-ans" and model is not None:
             sec = _xl_ans_section(part, g * g_layers, schema, model, sec, rows)
         secs.append(sec)
+        layers.append(part.shape[1])
     arrays: list[tuple[str, int]] = []
     if record.token_ids is not None:
         tok = np.ascontiguousarray(record.token_ids, dtype="<i4").tobytes()
@@ -378,16 +380,10 @@ def encode_record_payload(record: RoutingRecord, schema: RoutingSchema,
         ref = len(varint(model[0]))
         xl = [(len(d) - ref, _codec.xl_ans_rows.least_bytes(g) if c == "xl-ans-rows"
                else _codec.xl_ans.least_bytes(g, schema.top_k))
-              for (c, d, _), g in zip(secs, _section_layers(nl, g_layers, nb))
+              for (c, d, _), g in zip(secs, layers)
               if c in ("xl-ans", "xl-ans-rows")]
         out.floor_margin = sum(w for w, _ in xl) / sum(f for _, f in xl) if xl else None
     return out
-
-
-def _section_layers(num_layers: int, layer_group: int, blocks: int) -> list[int]:
-    """The MoE layers of each routing section of a grid, in section order."""
-    return [min(layer_group, num_layers - l0) for l0 in range(0, num_layers, layer_group)
-            for _ in range(blocks)]
 
 
 def assemble(meta: bytes, sections: list[tuple[int, bytes]],

@@ -110,6 +110,23 @@ def writer_codec(codec: str | None, column_order: str = "engine",
     return codec
 
 
+def _bettable(saved: int, coded: Any) -> int:
+    """What a model saves on a record (``saved`` bytes, its payload ``coded`` under the
+    model) that a model frame may be bet on: 0 where the model-coded sections hold, summed,
+    under FLOOR_MARGIN x the reader's floors (``RecordPayload.floor_margin``).
+
+    NOTE: a record whose model-coded sections sit near the reader's floor says little about
+    the next: as many of those fall under it (their sections then xl-zstd). Measured at
+    64-token records (E=8 top-2, 32 layers, at about 1.0-1.1x the floor): a frame written
+    on such savings cost 1.5 % more than the 24 of 64 records it coded saved. Summed over
+    the record's sections (the attacker review: the least section's, a short last token
+    block, kept 4160-token records from any model); 1.5, not 2: 300-token records of 6
+    layers sit at 1.6x xl-ans's floor and gain from a model."""
+    if coded.floor_margin is not None and coded.floor_margin < FLOOR_MARGIN:
+        return 0
+    return saved
+
+
 class SidecarWriter:
     """Append routing records to a sidecar stream, off the caller's thread.
 
@@ -501,10 +518,7 @@ class SidecarWriter:
         model = (self._pos, parsed)
         plain, coded = self._payload(record, None), self._payload(record, model)
         frame = len(payload) + 24
-        saved = len(plain) - len(coded)
-        if coded.floor_margin is not None and coded.floor_margin < FLOOR_MARGIN:
-            saved = 0                   # NOTE: as in _maybe_model
-        if saved * seed_rows < frame * rec_rows:
+        if _bettable(len(plain) - len(coded), coded) * seed_rows < frame * rec_rows:
             return plain
         self._emit(encode_frame(KIND_MODEL, payload))
         self._model = model
@@ -575,17 +589,7 @@ class SidecarWriter:
             # (against the model in use, or none; a record the model has not seen), times
             # the records written so far (as many again are expected), must pay for the
             # frame. Routing with no cross-layer structure to learn gets no model frames.
-            saved = current - len(coded)
-            # NOTE: a record whose model-coded sections sit near the reader's floor says
-            # little about the next: as many of those fall under it (their sections then
-            # xl-zstd). Measured at 64-token records (E=8 top-2, 32 layers, at about 1.0-1.1x
-            # the floor): a frame written on such savings cost 1.5 % more than the 24 of 64
-            # records it coded saved. Such a record's savings count for nothing. Summed over
-            # the record's sections (the attacker review: the least section's, a short last
-            # token block, kept 4160-token records from any model); 1.5, not 2: 300-token
-            # records of 6 layers sit at 1.6x xl-ans's floor and gain from a model.
-            if coded.floor_margin is not None and coded.floor_margin < FLOOR_MARGIN:
-                saved = 0
+            saved = _bettable(current - len(coded), coded)
             if saved * (len(self._index) + 1) >= frame and (best is None or saved > best[0]):
                 best = (saved, payload, model, coded)
         if best is None:
