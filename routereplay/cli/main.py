@@ -388,6 +388,42 @@ def _seed_from(a: argparse.Namespace, schema) -> dict:
     return {"xl_ans_seed": model}
 
 
+def _self_seed(a: argparse.Namespace, schema, readers: list | None) -> tuple[dict, int]:
+    """``--codec xl-ans`` without ``--seed-from``: the writer's ``xl_ans_seed`` counted
+    from the input's own first records (``count_seed``, up to 2^22 token-layer rows), so
+    the output's first model frame comes before its first record and is learned from all
+    of them rather than the first one or two. Returns (writer keywords, records counted).
+
+    NOTE: a first pass over the input. It ends at the first record or frame that does not
+    read, silently: the write pass reads the same input and names it (or, with
+    --skip-corrupt, skips it as it does everything else)."""
+    from routereplay.convert import iter_records
+    from routereplay.sidecar import count_seed
+
+    def first_records():
+        try:
+            if readers is not None:
+                for rd in readers:
+                    for fi in rd.scan():
+                        if fi.meta is None:
+                            return
+                        yield rd.read(fi.meta.sample_id)
+            elif a.kind == "sglang-json":
+                from engine_patches.sglang.records import iter_jsonl   # lazy: engine side
+                yield from iter_jsonl(a.input, schema,
+                                      num_fused_shared_experts=a.num_fused_shared_experts)
+            else:
+                yield from iter_records(a.kind, a.input, schema,
+                                        num_fused_shared_experts=a.num_fused_shared_experts)
+        except (RouteReplayError, ValueError, OSError):
+            return
+    try:
+        model, n = count_seed(first_records(), schema)
+    except (RouteReplayError, ValueError):
+        return {}, 0                # NOTE: the write pass meets (and names) the same record
+    return ({"xl_ans_seed": model} if n else {}), n
+
+
 def _convert(a: argparse.Namespace, schema) -> int:
     """convert's reading and writing, once the arguments are checked (``schema`` None:
     ``--from sidecar``, the input stream's)."""
@@ -419,7 +455,7 @@ def _convert(a: argparse.Namespace, schema) -> int:
     interrupted = False
     # NOTE: records are written as they are read; on a bad sample the writer still closes
     # (index + trailer), so every sample before it stays readable.
-    reader, extra, seed = None, {}, {}
+    reader, readers, extra, seed = None, None, {}, {}
     if a.kind == "sidecar":
         # NOTE: a file, a folder or a glob of streams (one per weight version, say) read as
         # one and written as one stream: xl-ans learns one model for all of them
@@ -462,6 +498,9 @@ def _convert(a: argparse.Namespace, schema) -> int:
             seed = _seed_from(a, schema)
         except (ConfigError, SidecarError) as e:
             raise UsageError(str(e)) from None
+    counted = 0
+    if a.codec == "xl-ans" and not a.seed_from and a.column_order == "engine":
+        seed, counted = _self_seed(a, schema, readers)
     try:
         with SidecarWriter(dest, schema, codec=a.codec, column_order=a.column_order,
                            layer_group=a.layer_group, token_block=a.token_block,
@@ -496,6 +535,9 @@ def _convert(a: argparse.Namespace, schema) -> int:
     rows = tokens * schema.num_moe_layers
     print(f"wrote {n} records, {tokens} tokens, {size} bytes"
           + (f", {8 * size / rows:.3f} bits per token-layer" if rows else "") + f" -> {a.out}")
+    if counted and w.model_frames:
+        print(f"xl-ans model counted from the input's first {counted} records (a first pass; "
+              "--seed-from to count another stream's instead)")
     if w.codec == "xl-ans" and not w.model_frames:
         from routereplay.sidecar.writer import MODEL_FIRST_ROWS
         why = (f"{rows} token-layer rows are too few to learn from (a model needs "
@@ -695,7 +737,9 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--seed-from", metavar="SIDECAR",
                    help="--codec xl-ans: start the model from the routing of every record of "
                         "these streams (file, folder or glob; any codec), e.g. the previous "
-                        "step's or weight version's")
+                        "step's or weight version's, instead of the input's own first records "
+                        "(the default, up to 2^22 token-layer rows counted in a first pass; "
+                        "usually the smaller output)")
     c.add_argument("--skip-corrupt", action="store_true",
                    help="sidecar: convert past frames and records that do not read, each "
                         "named on stderr (exit status 1 still)")

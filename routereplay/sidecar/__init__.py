@@ -30,11 +30,11 @@ from routereplay.sidecar.layout import (COLUMN_ORDERS, DEFAULT_LAYER_GROUP,
 from routereplay.sidecar.payload import RecordMeta, Section, encode_record_payload
 from routereplay.sidecar.multi import MultiSidecarReader, open_sidecar
 from routereplay.sidecar.reader import FrameInfo, RecordBytes, SidecarReader
-from routereplay.sidecar.writer import SidecarWriter, write_records, writer_codec
+from routereplay.sidecar.writer import SidecarWriter, count_seed, write_records, writer_codec
 
 _crc = crc32          # NOTE: pre-0.2 private name, still used by external test helpers
 
-__all__ = ["SidecarWriter", "SidecarReader", "MultiSidecarReader", "open_sidecar", "FrameInfo", "RecordBytes", "RecordMeta", "Section",
+__all__ = ["SidecarWriter", "count_seed", "SidecarReader", "MultiSidecarReader", "open_sidecar", "FrameInfo", "RecordBytes", "RecordMeta", "Section",
            "write_records", "writer_codec", "encode_header", "encode_frame",
            "encode_record_payload", "crc32", "MAGIC", "FORMAT_VERSION", "READABLE_VERSIONS",
            "COLUMN_ORDERS", "FRAME_MAGIC", "TRAILER_MAGIC", "KIND_RECORD", "KIND_INDEX", "KIND_MODEL",

@@ -11,7 +11,7 @@ import os
 import secrets
 import queue
 import threading
-from typing import Any, BinaryIO, Sequence
+from typing import Any, BinaryIO, Iterable, Sequence
 
 import numpy as np
 
@@ -40,6 +40,7 @@ MODEL_REFRESH = 4             # a new model is learned from this many times the 
 SEED_COUNT_MAX = 1 << 40      # a seed's counts (scaling them stays within int64)
 FLOOR_MARGIN = 1.5            # model-coded sections under this x the reader's floor: no bet
 SEED_ROWS = 1 << 20           # a seed (xl_ans_seed) counts as at most this many rows
+COUNT_SEED_ROWS = 1 << 22     # count_seed: records counted up to this many token-layer rows
 MAX_MODELS = 12               # model frames a stream gets (readers parse at most 16)
 
 
@@ -67,6 +68,40 @@ def _check_seed(seed: Any, codec: str, schema: RoutingSchema) -> None:
                 int(a.min()) < 0 or int(a.max()) > SEED_COUNT_MAX)):
             raise ConfigError(f"xl_ans_seed counts must be integer arrays of shapes {shapes} "
                               f"with counts in [0, 2^40]")
+
+
+def count_seed(records: Iterable[RoutingRecord], schema: RoutingSchema, *,
+               max_rows: int = COUNT_SEED_ROWS) -> "tuple[xl_ans.XlModel, int]":
+    """An ``xl_ans_seed`` counted from the records a writer is about to write: a two-pass
+    write (``routereplay convert --codec xl-ans`` does it by default), whose first model
+    frame is learned from the stream's own routing instead of its first record or two.
+
+    Args:
+        records: RoutingRecord of ``schema`` (ids ``[T, L_moe, top_k]``, engine column
+            order), e.g. a first pass over the input; read until ``max_rows`` token-layer
+            rows are counted (the record that crosses it included), the rest not consumed.
+        max_rows: token-layer rows (tokens x MoE layers) to count. The writer weighs a seed
+            as at most ``SEED_ROWS`` (2^20) rows; counting more (default 2^22, about
+            4 MB of top-1 ids) only refines the proportions.
+
+    Returns:
+        (model, records counted): int64 counts as ``SidecarWriter.learned_model()`` holds.
+
+    Raises:
+        ConfigError: a schema xl-ans cannot model (E outside 2-64);
+        RecordError: a record of another number of MoE layers or top_k."""
+    s = schema
+    if not 2 <= s.num_experts <= xl_ans.MAX_EXPERTS:
+        raise ConfigError(f"xl-ans models 2 to {xl_ans.MAX_EXPERTS} experts, the schema has "
+                          f"{s.num_experts}")
+    m = xl_ans.XlModel.empty(s.num_moe_layers, s.num_experts, s.top_k)
+    n = rows = 0
+    for rec in records:
+        m.count(rec.expert_ids)
+        n, rows = n + 1, rows + rec.num_tokens * s.num_moe_layers
+        if rows >= max_rows:
+            break
+    return m, n
 
 
 def writer_codec(codec: str | None, column_order: str = "engine",
