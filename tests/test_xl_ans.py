@@ -769,6 +769,54 @@ def test_convert_from_a_killed_writers_stream_keeps_every_record_before_the_tear
         assert ("skipped: " in p.stderr) == bool(flags)
 
 
+def test_a_seeds_frame_is_the_candidate_that_pays_the_most(monkeypatch):
+    """A seed is tried as counted, without the pair table (the joint table holds what it
+    knows) and with coarser counts; the writer keeps the candidate whose savings pay the
+    most beyond its frame. Records counted first (as many rows as the frame will code)
+    want a smaller, coarser frame: 48 records of 100 tokens x 16 layers are 2.6 % smaller
+    than with the model as counted (measured 45021 against 46228 bytes; 64 x 100 tokens x
+    32 layers: 109.4 % of the entropy rate against 112.0 %)."""
+    import routereplay.sidecar.writer as writer
+    from routereplay.sidecar import count_seed
+    schema = RoutingSchema(16, tuple(range(16)), 2, 8)
+    src = _source(16, 8, 2)
+    rng = np.random.default_rng(2)
+    recs = [RoutingRecord(f"s{i}", src.sample(rng, 100)[0]) for i in range(48)]
+    counted, _ = count_seed(recs, schema)
+    c = counted.coarsened(4, without_pair=True)
+    assert np.array_equal(c.flags, counted.flags) and not c.pair.any()
+    assert np.array_equal(c.joint, np.where(counted.joint > 0,
+                                            np.maximum(counted.joint // 4, 1), 0))
+    with pytest.raises(ValueError, match="scale must be >= 1"):
+        counted.coarsened(0)
+
+    def stream() -> bytes:
+        w = SidecarWriter(None, schema, codec="xl-ans", background=False, xl_ans_seed=counted)
+        for r in recs:
+            w.write(r)
+        w.close()
+        return w.getvalue()
+    picked = stream()
+    r = SidecarReader(picked)
+    assert all(np.array_equal(r.read(x.sample_id).expert_ids, x.expert_ids) for x in recs)
+    first = _frames(picked)[0]
+    model = xl_ans.XlModel.from_bytes(picked[first.offset + 24:first.end], 16, 8, 2)
+    assert first.kind == KIND_MODEL and _a_candidate_of(model, counted)
+    assert not np.array_equal(model.joint, counted.stored().joint)     # not as counted
+    monkeypatch.setattr(writer, "_candidates", lambda counts, coarse: [counts])
+    as_counted = stream()
+    assert len(picked) < 0.985 * len(as_counted), (len(picked), len(as_counted))
+
+
+def _a_candidate_of(stored: xl_ans.XlModel, counts: xl_ans.XlModel) -> bool:
+    """Whether a model frame's tables are those of one of the seed candidates of
+    ``counts`` (the writer's _candidates: as counted, without the pair table, coarser)."""
+    from routereplay.sidecar.writer import _candidates
+    tables = ("flags", "pop", "pair", "joint")
+    return any(all(np.array_equal(getattr(stored, t), getattr(c.stored(), t)) for t in tables)
+               for c in _candidates(counts, coarse=True))
+
+
 def _frames_live(data: bytes) -> list[int]:
     """Record frame offsets of a stream without an index."""
     from routereplay.sidecar.layout import FRAME_HEADER_SIZE
@@ -865,7 +913,7 @@ def test_convert_counts_its_input_first_so_its_model_comes_before_any_record(tmp
     assert first.kind == KIND_MODEL                          # before any record
     stored = xl_ans.XlModel.from_bytes(data[first.offset + 24:first.end], 16, 8, 2)
     counted, n = count_seed((RoutingRecord(f"s{i}", x) for i, x in enumerate(recs)), schema)
-    assert n == 12 and np.array_equal(stored.joint, counted.stored().joint)
+    assert n == 12 and _a_candidate_of(stored, counted)
     assert len(data) < 0.97 * len(one_pass.getvalue()), (len(data), len(one_pass.getvalue()))
     # measured: 64750 bytes against 68400 one-pass (0.947)
     # a corrupt record s5: counted up to it; the write pass stops there and names it
@@ -880,7 +928,7 @@ def test_convert_counts_its_input_first_so_its_model_comes_before_any_record(tmp
     first = _frames(data)[0]
     stored = xl_ans.XlModel.from_bytes(data[first.offset + 24:first.end], 16, 8, 2)
     five, n = count_seed((RoutingRecord(f"s{i}", x) for i, x in enumerate(recs[:5])), schema)
-    assert first.kind == KIND_MODEL and np.array_equal(stored.joint, five.stored().joint)
+    assert first.kind == KIND_MODEL and _a_candidate_of(stored, five)
     # count_seed takes records until max_rows is crossed and no further one
     it = iter([RoutingRecord(f"s{i}", x) for i, x in enumerate(recs)])
     m, n = count_seed(it, schema, max_rows=600 * 16 + 1)
@@ -1026,7 +1074,7 @@ def test_convert_seed_from_counts_every_record_of_the_seed_streams(tmp_path):
     first = _frames(data)[0]
     assert first.kind == KIND_MODEL                       # the seed, before any record
     seeded = xl_ans.XlModel.from_bytes(data[first.offset + 24:first.end], 16, 8, 2)
-    assert np.array_equal(seeded.joint, counted.stored().joint)
+    assert _a_candidate_of(seeded, counted)
     other = tmp_path / "other.rrsc"
     w = SidecarWriter(str(other), RoutingSchema(8, tuple(range(8)), 2, 8), codec="xl-ans",
                       background=False)

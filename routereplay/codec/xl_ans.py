@@ -361,6 +361,27 @@ class XlModel:
         m = self.frozen()
         return XlModel(self.num_experts, self.top_k, m.flags, q(m.pop), q(m.pair), q(m.joint))
 
+    def coarsened(self, scale: int = 1, without_pair: bool = False) -> "XlModel":
+        """A copy with the pop, pair and joint counts divided by ``scale`` (floor, nonzero
+        counts staying nonzero; flags as they are), and with ``without_pair`` the pair
+        table zeroed (its successor term then uniform). A writer's candidate for a model
+        frame: coarser counts make a smaller frame and a less exact model, which pays where
+        the frame is a large share of what the model codes (records counted first, short
+        records); where the joint table exists it holds what the pair table knows and
+        more. Any counts are a valid model: the reader's rules do not change.
+
+        Raises:
+            ValueError: ``scale`` < 1."""
+        if scale < 1:
+            raise ValueError(f"scale must be >= 1, got {scale}")
+
+        def q(a: np.ndarray) -> np.ndarray:
+            a = np.asarray(a, dtype=np.int64)
+            return np.where(a > 0, np.maximum(a // scale, 1), 0)
+        pair = np.zeros_like(self.pair, dtype=np.int64) if without_pair else q(self.pair)
+        return XlModel(self.num_experts, self.top_k, np.asarray(self.flags, np.int64).copy(),
+                       q(self.pop), pair, q(self.joint))
+
     # -- model payload (docs/FORMAT.md "Model payload") ------------------------------------
 
     def to_bytes(self) -> bytes:
