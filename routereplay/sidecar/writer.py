@@ -46,21 +46,22 @@ CANDIDATE_SCALE = 4           # _candidates: the coarser counts' divisor
 
 
 def _candidates(counts: "xl_ans.XlModel", coarse: bool) -> "list[xl_ans.XlModel]":
-    """The models a writer tries for a model frame learned from ``counts``: as counted;
-    then, where the model has a joint table, without the pair table (the joint table
-    knows what it knows: a frame about 25 % smaller at E=8 top-2, the same rate); with
-    ``coarse``, each also with its counts divided by CANDIDATE_SCALE (a smaller frame, a
-    less exact model).
+    """The models a writer tries for a model frame learned from ``counts``: where the
+    model has a joint table, the counts without the pair table (the joint table holds what
+    it knows: a frame about 25 % smaller at E=8 top-2, the same or a better rate), else as
+    counted; with ``coarse``, also that with its counts divided by CANDIDATE_SCALE (a
+    smaller frame, a less exact model).
 
-    NOTE: coarse candidates are for a seed (``_maybe_seed``), whose counts are as many as
-    the rows its frame will code (records counted first: 1.3-2.5 % smaller streams of 100-
-    256-token records). In a one-pass writer's first model, learned from a few records
-    and coding many more, they paid early and then lost (256-token records: 110.2 % of
-    the entropy rate against 108.7 %)."""
-    out = [counts]
-    if counts.joint.shape[1]:
-        out.append(counts.coarsened(without_pair=True))
-    return out + ([m.coarsened(CANDIDATE_SCALE) for m in out] if coarse else [])
+    NOTE: measured on the cross-layer source (benchmarks/README.md "xl-ans"): without the
+    pair table, one-pass streams are 0.3-1.7 % smaller (E=8 top-2 and top-4, E=16 top-2;
+    trying both as counted and without was no better, at twice the cost). Coarse
+    candidates are for a seed (``_maybe_seed``), whose counts are about as many as the rows
+    its frame will code (records counted first: 1-2.5 % smaller streams of 100-256-token
+    records); a one-pass writer's first model, learned from a few records and coding many
+    more, paid early with them and then lost (256-token records: 110.2 % of the entropy
+    rate against 108.7 %)."""
+    base = counts.coarsened(without_pair=True) if counts.joint.shape[1] else counts
+    return [base] + ([base.coarsened(CANDIDATE_SCALE)] if coarse else [])
 
 
 def _check_seed(seed: Any, codec: str, schema: RoutingSchema) -> None:
