@@ -12,7 +12,7 @@ import pytest
 
 from routereplay import codec
 from routereplay.codec import ans, xl_ans
-from routereplay.errors import ConfigError, SidecarError
+from routereplay.errors import ConfigError, RecordError, SidecarError
 from routereplay.record import RoutingRecord
 from routereplay.schema import RoutingSchema
 from routereplay.sidecar import SidecarReader, SidecarWriter
@@ -713,7 +713,7 @@ def test_a_stream_seeded_with_the_previous_streams_model_codes_its_first_records
                                           "stream has 8, 8, top-2"):
         SidecarWriter(None, RoutingSchema(8, tuple(range(8)), 2, 8), codec="xl-ans",
                       xl_ans_seed=seed)
-    with pytest.raises(ConfigError, match=r"xl_ans_counts\(\)\), got str"):
+    with pytest.raises(ConfigError, match=r"count_seed\(records, schema\)\[0\]\), got str"):
         SidecarWriter(None, schema, codec="xl-ans", xl_ans_seed="prev.rrsc")
     # the vLLM plugin's streams: rotation (a new weight version) seeds the next stream
     st = Streamer(str(tmp_path) + "/", codec="xl-ans", schema=schema)
@@ -787,7 +787,7 @@ def test_a_seeds_frame_is_the_candidate_that_pays_the_most(monkeypatch):
     assert np.array_equal(c.flags, counted.flags) and not c.pair.any()
     assert np.array_equal(c.joint, np.where(counted.joint > 0,
                                             np.maximum(counted.joint // 4, 1), 0))
-    with pytest.raises(ValueError, match="scale must be >= 1"):
+    with pytest.raises(ValueError, match="scale must be an integer >= 1"):
         counted.coarsened(0)
 
     def stream() -> bytes:
@@ -905,14 +905,14 @@ def test_convert_counts_its_input_first_so_its_model_comes_before_any_record(tmp
             str(out), "--codec", "xl-ans"]
     p = run_py(args, timeout=120)
     assert p.returncode == 0, p.stderr
-    assert "counted from the input's first 12 records" in p.stdout, p.stdout
+    assert "counted from all 12 records of the input" in p.stdout, p.stdout
     data = out.read_bytes()
     r = SidecarReader(data)
     assert all(np.array_equal(r.read(f"s{i}").expert_ids, x) for i, x in enumerate(recs))
     first = _frames(data)[0]
     assert first.kind == KIND_MODEL                          # before any record
     stored = xl_ans.XlModel.from_bytes(data[first.offset + 24:first.end], 16, 8, 2)
-    counted, n = count_seed((RoutingRecord(f"s{i}", x) for i, x in enumerate(recs)), schema)
+    counted, n = count_seed([RoutingRecord(f"s{i}", x) for i, x in enumerate(recs)], schema)
     assert n == 12 and _a_candidate_of(stored, counted)
     assert len(data) < 0.97 * len(one_pass.getvalue()), (len(data), len(one_pass.getvalue()))
     # measured: 63376 bytes against 66012 one-pass (0.960)
@@ -927,14 +927,29 @@ def test_convert_counts_its_input_first_so_its_model_comes_before_any_record(tmp
     assert SidecarReader(data).sample_ids() == [f"s{i}" for i in range(5)]
     first = _frames(data)[0]
     stored = xl_ans.XlModel.from_bytes(data[first.offset + 24:first.end], 16, 8, 2)
-    five, n = count_seed((RoutingRecord(f"s{i}", x) for i, x in enumerate(recs[:5])), schema)
+    five, n = count_seed([RoutingRecord(f"s{i}", x) for i, x in enumerate(recs[:5])], schema)
     assert first.kind == KIND_MODEL and _a_candidate_of(stored, five)
     # count_seed takes records until max_rows is crossed and no further one
     it = iter([RoutingRecord(f"s{i}", x) for i, x in enumerate(recs)])
-    m, n = count_seed(it, schema, max_rows=600 * 16 + 1)
+    m, n = count_seed(it, schema, max_rows=600 * 16 + 1, consume=True)
     assert n == 2 and m.rows_counted() == 2 * 599 * 16 and next(it).sample_id == "s2"
     with pytest.raises(ConfigError, match="2 to 64 experts, the schema has 128"):
         count_seed([], RoutingSchema(2, (0, 1), 2, 128))
+    # an iterator would be used up before the writer sees it (newcomer review: a stream of
+    # 0 records, no error): refused unless consume=True; bad records named as write() does
+    with pytest.raises(TypeError, match="count_seed got an iterator"):
+        count_seed(iter([RoutingRecord("s0", recs[0])]), schema)
+    with pytest.raises(ConfigError, match="max_rows must be an integer >= 1, got 0"):
+        count_seed([RoutingRecord("s0", recs[0])], schema, max_rows=0)
+    bad = recs[1].copy()
+    bad[7, 3] = (9, 1)
+    with pytest.raises(RecordError, match="sample 'b1'.*token 7"):
+        count_seed([RoutingRecord("b0", recs[0]), RoutingRecord("b1", bad)], schema)
+    # the seed's frame is reported as written only where it was
+    w = SidecarWriter(None, schema, codec="xl-ans", background=False, xl_ans_seed=counted)
+    w.write(RoutingRecord("s0", recs[0]))
+    w.close()
+    assert w.seed_frame_written
 
 
 
@@ -1099,7 +1114,8 @@ def test_convert_seed_from_counts_every_record_of_the_seed_streams(tmp_path):
     np.save(tiny / "t0.npy", src.sample(rng, 50)[0])
     p = run_py(args[:5] + [str(tiny)] + args[6:], timeout=120)
     assert p.returncode == 0, p.stderr
-    assert "no xl-ans model frame: 800 token-layer rows are too few" in p.stdout
+    assert "no xl-ans model frame: the model counted from the input (800 token-layer rows) " \
+        "did not save its own bytes" in p.stdout, p.stdout
 
 
 def test_set_index_is_exact_where_products_overflowed():

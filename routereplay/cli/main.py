@@ -389,14 +389,21 @@ def _seed_from(a: argparse.Namespace, schema) -> dict:
 
 
 def _self_seed(a: argparse.Namespace, schema, readers: list | None) -> tuple[dict, int]:
-    """``--codec xl-ans`` without ``--seed-from``: the writer's ``xl_ans_seed`` counted
+    """``--codec xl-ans`` without ``--seed-from`` (engine column order; the caller skips it
+    for sorted rows, which xl-ans does not model): the writer's ``xl_ans_seed`` counted
     from the input's own first records (``count_seed``, up to 2^22 token-layer rows), so
     the output's first model frame comes before its first record and is learned from all
-    of them rather than the first one or two. Returns (writer keywords, records counted).
+    of them rather than the first one or two.
+
+    Returns:
+        (writer keywords, records counted): ``({}, 0)`` where nothing was counted (the
+        first record does not read, or the schema is one xl-ans cannot model: the write
+        pass then reports it).
 
     NOTE: a first pass over the input. It ends at the first record or frame that does not
-    read, silently: the write pass reads the same input and names it (or, with
-    --skip-corrupt, skips it as it does everything else)."""
+    read (RouteReplayError, ValueError or OSError), silently: the write pass reads the same
+    input and names it, or with --skip-corrupt skips it, and the model is then counted
+    from the records before it only."""
     from routereplay.convert import iter_records
     from routereplay.sidecar import count_seed
 
@@ -418,7 +425,7 @@ def _self_seed(a: argparse.Namespace, schema, readers: list | None) -> tuple[dic
         except (RouteReplayError, ValueError, OSError):
             return
     try:
-        model, n = count_seed(first_records(), schema)
+        model, n = count_seed(first_records(), schema, consume=True)
     except (RouteReplayError, ValueError):
         return {}, 0                # NOTE: the write pass meets (and names) the same record
     return ({"xl_ans_seed": model} if n else {}), n
@@ -535,15 +542,27 @@ def _convert(a: argparse.Namespace, schema) -> int:
     rows = tokens * schema.num_moe_layers
     print(f"wrote {n} records, {tokens} tokens, {size} bytes"
           + (f", {8 * size / rows:.3f} bits per token-layer" if rows else "") + f" -> {a.out}")
-    if counted and w.model_frames:
-        print(f"xl-ans model counted from the input's first {counted} records (a first pass; "
-              "--seed-from to count another stream's instead)")
+    if counted and w.seed_frame_written:
+        which = f"all {counted}" if counted >= n else f"the first {counted} (of {n})"
+        print(f"xl-ans model counted from {which} records of the input (a first pass), "
+              "written before the first record")
     if w.codec == "xl-ans" and not w.model_frames:
         from routereplay.sidecar.writer import MODEL_FIRST_ROWS
-        why = (f"{rows} token-layer rows are too few to learn from (a model needs "
-               f"{MODEL_FIRST_ROWS})" if rows < MODEL_FIRST_ROWS else
-               "no model would have saved its own bytes (routing whose layers do not depend "
-               "on each other, or too few records)")
+        if a.column_order == "sorted":
+            why = ("rows in sorted column order (xl-ans models the engine's order; see "
+                   "README.md)")
+        elif seed:
+            why = ("the model counted " + ("from --seed-from" if a.seed_from else
+                                           f"from the input ({rows} token-layer rows)") +
+                   " did not save its own bytes on the first records (routing whose layers do "
+                   "not depend on each other, or too few or too short records for a model to "
+                   "pay)")
+        elif rows < MODEL_FIRST_ROWS:
+            why = (f"{rows} token-layer rows are too few to learn from (a model needs "
+                   f"{MODEL_FIRST_ROWS})")
+        else:
+            why = ("no model would have saved its own bytes (routing whose layers do not "
+                   "depend on each other, or too few records)")
         print(f"no xl-ans model frame: {why}; the stream is coded as xl-zstd")
     return 0
 
@@ -720,11 +739,14 @@ def build_parser() -> argparse.ArgumentParser:
                    help="decoder layers that are MoE, e.g. '1-23' or '1,3,5'")
     c.add_argument("--num-layers", type=_positive_int,
                    help="num_hidden_layers (default: max MoE layer + 1)")
+    # NOTE: xl-ans-rows stays a choice so that it is refused by name (a layout of xl-ans)
     c.add_argument("--codec", default=None, choices=CODECS,
+                   metavar="{" + ",".join(c for c in CODECS if c != "xl-ans-rows") + "}",
                    help="routing codec (default xl-zstd, ctx-zstd with --format-version 2; "
                         "ctx-ans-sorted with --column-order sorted; xl-ans: smallest on routing "
-                        "whose layers depend on each other, E <= 64, a writer at about 25-30 MB/s "
-                        "with numba (5-8 at E=64); "
+                        "whose layers depend on each other, E <= 64, engine column order, a "
+                        "writer at about 25-30 MB/s with numba (5-8 at E=64), reading the "
+                        "input twice (its model counted first, see --seed-from); "
                         "ctx-ans: small, slower)")
     c.add_argument("--column-order", default="engine", choices=["engine", "sorted"])
     c.add_argument("--layer-group", type=_positive_int, default=None,
@@ -738,8 +760,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="--codec xl-ans: start the model from the routing of every record of "
                         "these streams (file, folder or glob; any codec), e.g. the previous "
                         "step's or weight version's, instead of the input's own first records "
-                        "(the default, up to 2^22 token-layer rows counted in a first pass; "
-                        "usually the smaller output)")
+                        "(the default: up to 2^22 token-layer rows counted in a first pass, "
+                        "which ends at the first record that does not read; usually the "
+                        "smaller output)")
     c.add_argument("--skip-corrupt", action="store_true",
                    help="sidecar: convert past frames and records that do not read, each "
                         "named on stderr (exit status 1 still)")

@@ -362,18 +362,22 @@ class XlModel:
         return XlModel(self.num_experts, self.top_k, m.flags, q(m.pop), q(m.pair), q(m.joint))
 
     def coarsened(self, scale: int = 1, without_pair: bool = False) -> "XlModel":
-        """A copy with the pop, pair and joint counts divided by ``scale`` (floor, nonzero
-        counts staying nonzero; flags as they are), and with ``without_pair`` the pair
-        table zeroed (its successor term then uniform). A writer's candidate for a model
-        frame: coarser counts make a smaller frame and a less exact model, which pays where
-        the frame is a large share of what the model codes (records counted first, short
-        records); where the joint table exists it holds what the pair table knows and
-        more. Any counts are a valid model: the reader's rules do not change.
+        """A copy, int64 tables of the same shapes, with the pop, pair and joint counts
+        divided by ``scale`` (floor, nonzero counts staying nonzero; flags as they are),
+        and with ``without_pair`` the pair table zeroed (its successor term then uniform).
+        A writer's candidate for a model frame: coarser counts make a smaller frame and a
+        less exact model, which pays where the frame is a large share of what the model
+        codes (records counted first, short records); where the joint table exists it
+        holds what the pair table knows and more. Any counts are a valid model: the
+        reader's rules do not change.
 
         Raises:
-            ValueError: ``scale`` < 1."""
-        if scale < 1:
-            raise ValueError(f"scale must be >= 1, got {scale}")
+            ValueError: ``scale`` not an integer >= 1, or negative counts."""
+        if isinstance(scale, bool) or not isinstance(scale, (int, np.integer)) or scale < 1:
+            raise ValueError(f"scale must be an integer >= 1, got {scale!r}")
+        if any(np.asarray(a).size and np.asarray(a).min() < 0
+               for a in (self.flags, self.pop, self.pair, self.joint)):
+            raise ValueError("counts must be non-negative")
 
         def q(a: np.ndarray) -> np.ndarray:
             a = np.asarray(a, dtype=np.int64)

@@ -46,11 +46,13 @@ CANDIDATE_SCALE = 4           # _candidates: the coarser counts' divisor
 
 
 def _candidates(counts: "xl_ans.XlModel", coarse: bool) -> "list[xl_ans.XlModel]":
-    """The models a writer tries for a model frame learned from ``counts``: where the
-    model has a joint table, the counts without the pair table (the joint table holds what
-    it knows: a frame about 25 % smaller at E=8 top-2, the same or a better rate), else as
-    counted; with ``coarse``, also that with its counts divided by CANDIDATE_SCALE (a
-    smaller frame, a less exact model).
+    """The models a writer tries for a model frame learned from ``counts``, as int64
+    XlModels of ``counts``' shapes: first, where the model has a joint table (C x E <=
+    ``xl_ans.JOINT_LIMIT``, C = binom(E, K): E=8 any top-k, E=16 top-2, top-1 up to E=64),
+    the counts without the pair table (the joint table holds what it knows: a frame about
+    25 % smaller at E=8 top-2, the same or a better rate), else the counts as they are;
+    then, with ``coarse``, that model with its counts divided by CANDIDATE_SCALE (a smaller
+    frame, a less exact model).
 
     NOTE: measured on the cross-layer source (benchmarks/README.md "xl-ans"): without the
     pair table, one-pass streams are 0.3-1.7 % smaller (E=8 top-2 and top-4, E=16 top-2;
@@ -74,8 +76,9 @@ def _check_seed(seed: Any, codec: str, schema: RoutingSchema) -> None:
         raise ConfigError(f"xl_ans_seed is for codec 'xl-ans', not {codec!r}")
     s = schema
     if not isinstance(seed, xl_ans.XlModel):
-        raise ConfigError(f"xl_ans_seed must be an XlModel (a writer's learned_model(), or "
-                          f"SidecarReader(path).xl_ans_counts()), got {type(seed).__name__}")
+        raise ConfigError(f"xl_ans_seed must be an XlModel (a writer's learned_model(), "
+                          f"SidecarReader(path).xl_ans_counts() or count_seed(records, "
+                          f"schema)[0]), got {type(seed).__name__}")
     if (seed.num_layers, seed.num_experts, seed.top_k) != (s.num_moe_layers, s.num_experts,
                                                            s.top_k):
         raise ConfigError(f"xl_ans_seed is a model of {seed.num_layers} MoE layers, "
@@ -91,32 +94,52 @@ def _check_seed(seed: Any, codec: str, schema: RoutingSchema) -> None:
 
 
 def count_seed(records: Iterable[RoutingRecord], schema: RoutingSchema, *,
-               max_rows: int = COUNT_SEED_ROWS) -> "tuple[xl_ans.XlModel, int]":
+               max_rows: int = COUNT_SEED_ROWS,
+               consume: bool = False) -> "tuple[xl_ans.XlModel, int]":
     """An ``xl_ans_seed`` counted from the records a writer is about to write: a two-pass
     write (``routereplay convert --codec xl-ans`` does it by default), whose first model
-    frame is learned from the stream's own routing instead of its first record or two.
+    frame is learned from the stream's own routing and written before its first record,
+    instead of learned from its first record or two.
+
+    Usage: ``seed, _ = count_seed(records, schema)``, then ``SidecarWriter(path, schema,
+    codec="xl-ans", xl_ans_seed=seed)`` and write the same ``records``.
 
     Args:
         records: RoutingRecord of ``schema`` (ids ``[T, L_moe, top_k]``, engine column
-            order), e.g. a first pass over the input; read until ``max_rows`` token-layer
-            rows are counted (the record that crosses it included), the rest not consumed.
-        max_rows: token-layer rows (tokens x MoE layers) to count. The writer weighs a seed
-            as at most ``SEED_ROWS`` (2^20) rows; counting more (default 2^22, about
-            4 MB of top-1 ids) only refines the proportions.
+            order), e.g. a list; read until ``max_rows`` rows are counted (the record that
+            crosses it included).
+        max_rows: rows to count, tokens x MoE layers (>= 1). The writer weighs a seed as
+            at most ``SEED_ROWS`` (2^20) rows of t >= 1 (``XlModel.rows_counted``);
+            counting more (default 2^22, 4 MB of ids at top-1) only refines proportions.
+        consume: allow a one-shot iterator (e.g. a generator over a first read of the
+            input, to be read again for writing): it is read up to ``max_rows`` and the
+            rest is left unread. Without it an iterator is refused, since the writer would
+            then get none of the records it counted.
 
     Returns:
-        (model, records counted): int64 counts as ``SidecarWriter.learned_model()`` holds.
+        (model, records counted): an XlModel of int64 counts, as
+        ``SidecarWriter.learned_model()`` holds them: ``flags [L_moe, 3, 2]``, ``pop
+        [L_moe, E]``, ``pair [L_moe, E, E]``, ``joint [L_moe, C, E]``.
 
     Raises:
-        ConfigError: a schema xl-ans cannot model (E outside 2-64);
-        RecordError: a record of another number of MoE layers or top_k."""
+        TypeError: ``records`` is an iterator and ``consume`` is False;
+        ConfigError: a schema xl-ans cannot model (E outside 2-64), or ``max_rows`` < 1;
+        RecordError: a record that does not fit ``schema`` (named, as ``write`` names it:
+            sample, token and layer of an out-of-range id)."""
     s = schema
     if not 2 <= s.num_experts <= xl_ans.MAX_EXPERTS:
         raise ConfigError(f"xl-ans models 2 to {xl_ans.MAX_EXPERTS} experts, the schema has "
                           f"{s.num_experts}")
+    if not isinstance(max_rows, int) or max_rows < 1:
+        raise ConfigError(f"max_rows must be an integer >= 1, got {max_rows!r}")
+    if not consume and iter(records) is records:
+        raise TypeError("count_seed got an iterator: counting would consume the records the "
+                        "writer is to write. Pass a list (or another re-iterable), or "
+                        "consume=True with an iterator over a first read of the input")
     m = xl_ans.XlModel.empty(s.num_moe_layers, s.num_experts, s.top_k)
     n = rows = 0
     for rec in records:
+        rec.validate(s)
         m.count(rec.expert_ids)
         n, rows = n + 1, rows + rec.num_tokens * s.num_moe_layers
         if rows >= max_rows:
@@ -208,7 +231,8 @@ class SidecarWriter:
         xl_ans_seed: ``xl-ans`` only: the counts of an earlier stream of the same schema
             (:meth:`learned_model` of its writer, or ``SidecarReader.xl_ans_counts()``,
             which counts a stream on disk again; ``SidecarReader.xl_ans_model()`` holds
-            only what its last model frame learned), learned on from, and written as this
+            only what its last model frame learned), or of the records about to be written
+            (:func:`count_seed`, a two-pass write), learned on from, and written as this
             stream's first model frame before the first record on which it pays for itself
             (what it saves on the record, times the seed's records, at least the frame's
             bytes): where the seed fits the stream's routing, its first records are then
@@ -355,7 +379,8 @@ class SidecarWriter:
         self._own_counts: xl_ans.XlModel | None = None
         # the seed's model payload and the rows it was counted from, until its frame is
         # written or the stream's first records have shown that it does not pay
-        self._seed_pending: "tuple[bytes, xl_ans.XlModel, int] | None" = None
+        self._seed_pending: "tuple[list[tuple[bytes, xl_ans.XlModel]], int] | None" = None
+        self._seed_written = False
         # NOTE: the writer thread counts records into _learn while a caller may copy it
         # (learned_model): the lock keeps the copy whole
         self._learn_lock = threading.Lock()
@@ -516,6 +541,14 @@ class SidecarWriter:
         if self._fsync == "frame":
             self._do_fsync()
 
+    @property
+    def seed_frame_written(self) -> bool:
+        """``xl-ans`` with ``xl_ans_seed``: whether a model frame of the seed (one of its
+        candidates) was written, before the first record on which it paid for itself.
+        False for a writer without a seed, or whose seed never paid (its records are then
+        coded as an unseeded writer's). Read after :meth:`flush` or :meth:`close`."""
+        return self._seed_written
+
     def learned_model(self) -> "xl_ans.XlModel | None":
         """``xl-ans``: a copy of the counts learned from every record written so far (and
         the seed's), as an ``XlModel`` of int64 counts (``flags [L_moe, 3, 2]``, ``pop
@@ -592,6 +625,7 @@ class SidecarWriter:
         self._model = model
         self._models_written = 1
         self._seed_pending = None
+        self._seed_written = True
         return coded
 
     def _learn_from(self, record: RoutingRecord) -> Any:
