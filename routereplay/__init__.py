@@ -26,11 +26,12 @@ from routereplay.errors import (AlignmentError, ConfigError, RecordError, RouteR
                                 WeightSyncError)
 from routereplay.record import RoutingRecord, WeightVersionSpan
 from routereplay.schema import RoutingSchema
-from routereplay.sidecar import MultiSidecarReader, SidecarReader, SidecarWriter, open_sidecar
+from routereplay.sidecar import (MultiSidecarReader, SidecarReader, SidecarWriter, count_seed,
+                                 open_sidecar)
 from routereplay.source import InMemorySource, NoRouting, RoutingSource
 
 __version__ = "0.2.0"
-__all__ = ["RoutingSchema", "RoutingRecord", "WeightVersionSpan", "SidecarWriter",
+__all__ = ["RoutingSchema", "RoutingRecord", "WeightVersionSpan", "SidecarWriter", "count_seed",
            "SidecarReader", "MultiSidecarReader", "open_sidecar", "RoutingSource", "InMemorySource", "NoRouting",
            "RouteReplayError", "ConfigError", "SchemaError", "RecordError", "SidecarError",
            "UnknownSampleError", "AlignmentError", "WeightSyncError"]

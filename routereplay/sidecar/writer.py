@@ -626,6 +626,11 @@ class SidecarWriter:
         self._models_written = 1
         self._seed_pending = None
         self._seed_written = True
+        # NOTE: as after any model frame, the next candidate is due at MODEL_REFRESH times
+        # the stream's own rows (before: at once, then at every doubling from the first
+        # record, trials that rarely paid and halved a seeded writer's speed)
+        self._next_model_rows = max(self._next_model_rows,
+                                    MODEL_REFRESH * (self._own_counts.rows_counted() + rec_rows))
         return coded
 
     def _learn_from(self, record: RoutingRecord) -> Any:
