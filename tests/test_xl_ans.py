@@ -787,8 +787,13 @@ def test_a_seeds_frame_is_the_candidate_that_pays_the_most(monkeypatch):
     assert np.array_equal(c.flags, counted.flags) and not c.pair.any()
     assert np.array_equal(c.joint, np.where(counted.joint > 0,
                                             np.maximum(counted.joint // 4, 1), 0))
-    with pytest.raises(ValueError, match="scale must be an integer >= 1"):
+    with pytest.raises(ValueError, match="scale must be an integer in"):
         counted.coarsened(0)
+    for bad in (counted.joint.astype(np.float64), counted.joint.astype(np.uint64) + (1 << 63),
+                -counted.joint - 1):
+        odd = xl_ans.XlModel(8, 2, counted.flags, counted.pop, counted.pair, bad)
+        with pytest.raises(ValueError, match="counts must be integers in"):
+            odd.coarsened(4)
 
     def stream() -> bytes:
         w = SidecarWriter(None, schema, codec="xl-ans", background=False, xl_ans_seed=counted)
@@ -878,7 +883,8 @@ def test_convert_merges_a_folder_of_streams_and_seeds_from_a_previous_one(tmp_pa
     assert sizes["merged"] < sizes["seeded"] < one_by_one, (sizes, one_by_one)
 
 
-def test_convert_counts_its_input_first_so_its_model_comes_before_any_record(tmp_path):
+def test_convert_counts_its_input_first_so_its_model_comes_before_any_record(tmp_path,
+                                                                             monkeypatch):
     """`convert --codec xl-ans` without --seed-from counts the input's own records in a first
     pass (count_seed) and writes that model before the first record: a fresh one-pass
     writer codes its first record or two without a model and learns from them alone (the
@@ -944,6 +950,14 @@ def test_convert_counts_its_input_first_so_its_model_comes_before_any_record(tmp
     it = iter([RoutingRecord(f"s{i}", x) for i, x in enumerate(recs)])
     m, n = count_seed(it, schema, max_rows=600 * 16 + 1, consume=True)
     assert n == 2 and m.rows_counted() == 2 * 599 * 16 and next(it).sample_id == "s2"
+    # one-token records teach nothing: a cap on records ends the count (attacker review: an
+    # input of one-token records was read to the end, an endless iterator never returned)
+    import itertools
+    import routereplay.sidecar.writer as writer
+    monkeypatch.setattr(writer, "COUNT_SEED_RECORDS", 50)
+    one = (RoutingRecord(f"o{i}", recs[0][:1]) for i in itertools.count())
+    m, n = count_seed(one, schema, consume=True)
+    assert n == 50 and m.rows_counted() == 0 and next(one).sample_id == "o50"
     with pytest.raises(ConfigError, match="2 to 64 experts, the schema has 128"):
         count_seed([], RoutingSchema(2, (0, 1), 2, 128))
     # an iterator would be used up before the writer sees it (newcomer review: a stream of

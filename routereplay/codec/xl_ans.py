@@ -372,19 +372,27 @@ class XlModel:
         reader's rules do not change.
 
         Raises:
-            ValueError: ``scale`` not an integer >= 1, or negative counts."""
-        if isinstance(scale, bool) or not isinstance(scale, (int, np.integer)) or scale < 1:
-            raise ValueError(f"scale must be an integer >= 1, got {scale!r}")
-        if any(np.asarray(a).size and np.asarray(a).min() < 0
-               for a in (self.flags, self.pop, self.pair, self.joint)):
-            raise ValueError("counts must be non-negative")
+            ValueError: ``scale`` not an integer in [1, 2^62], or counts that are not
+                integers in [0, 2^62)."""
+        if isinstance(scale, bool) or not isinstance(scale, (int, np.integer)) \
+                or not 1 <= scale <= 1 << 62:
+            raise ValueError(f"scale must be an integer in [1, 2^62], got {scale!r}")
+
+        def int64(a: np.ndarray) -> np.ndarray:
+            a = np.asarray(a)
+            if a.dtype.kind not in "iu" or (a.size and (int(a.min()) < 0 or
+                                                        int(a.max()) >= 1 << 62)):
+                raise ValueError(f"counts must be integers in [0, 2^62), got {a.dtype} "
+                                 f"[{a.min() if a.size else '-'}, {a.max() if a.size else '-'}]")
+            return a.astype(np.int64)
 
         def q(a: np.ndarray) -> np.ndarray:
-            a = np.asarray(a, dtype=np.int64)
+            a = int64(a)
             return np.where(a > 0, np.maximum(a // scale, 1), 0)
-        pair = np.zeros_like(self.pair, dtype=np.int64) if without_pair else q(self.pair)
-        return XlModel(self.num_experts, self.top_k, np.asarray(self.flags, np.int64).copy(),
-                       q(self.pop), pair, q(self.joint))
+        flags, pop, pair, joint = (int64(self.flags), q(self.pop), int64(self.pair),
+                                   q(self.joint))
+        pair = np.zeros_like(pair) if without_pair else q(pair)
+        return XlModel(self.num_experts, self.top_k, flags, pop, pair, joint)
 
     # -- model payload (docs/FORMAT.md "Model payload") ------------------------------------
 

@@ -41,6 +41,7 @@ SEED_COUNT_MAX = 1 << 40      # a seed's counts (scaling them stays within int64
 FLOOR_MARGIN = 1.5            # model-coded sections under this x the reader's floor: no bet
 SEED_ROWS = 1 << 20           # a seed (xl_ans_seed) counts as at most this many rows
 COUNT_SEED_ROWS = 1 << 22     # count_seed: records counted up to this many token-layer rows
+COUNT_SEED_RECORDS = 1 << 16  # count_seed: and at most this many records
 MAX_MODELS = 12               # model frames a stream gets (readers parse at most 16)
 CANDIDATE_SCALE = 4           # _candidates: the coarser counts' divisor
 
@@ -107,10 +108,11 @@ def count_seed(records: Iterable[RoutingRecord], schema: RoutingSchema, *,
     Args:
         records: RoutingRecord of ``schema`` (ids ``[T, L_moe, top_k]``, engine column
             order), e.g. a list; read until ``max_rows`` rows are counted (the record that
-            crosses it included).
-        max_rows: rows to count, tokens x MoE layers (>= 1). The writer weighs a seed as
-            at most ``SEED_ROWS`` (2^20) rows of t >= 1 (``XlModel.rows_counted``);
-            counting more (default 2^22, 4 MB of ids at top-1) only refines proportions.
+            crosses it included) or ``COUNT_SEED_RECORDS`` (2^16) records are read.
+        max_rows: rows to count, (T - 1) x MoE layers a record (>= 1; a record's first
+            token has no previous token to learn from: ``XlModel.rows_counted``). The
+            writer weighs a seed as at most ``SEED_ROWS`` (2^20) such rows; counting more
+            (default 2^22, 4 MB of ids at top-1) only refines proportions.
         consume: allow a one-shot iterator (e.g. a generator over a first read of the
             input, to be read again for writing): it is read up to ``max_rows`` and the
             rest is left unread. Without it an iterator is refused, since the writer would
@@ -141,8 +143,11 @@ def count_seed(records: Iterable[RoutingRecord], schema: RoutingSchema, *,
     for rec in records:
         rec.validate(s)
         m.count(rec.expert_ids)
-        n, rows = n + 1, rows + rec.num_tokens * s.num_moe_layers
-        if rows >= max_rows:
+        # NOTE: learnable rows, and a cap on records: one-token (or empty) records teach
+        # nothing and would otherwise be read to the end (attacker review: +29 % on an
+        # input of one-token records, never returning on an endless iterator)
+        n, rows = n + 1, rows + max(rec.num_tokens - 1, 0) * s.num_moe_layers
+        if rows >= max_rows or n >= COUNT_SEED_RECORDS:
             break
     return m, n
 
