@@ -132,7 +132,8 @@ def count_seed(records: Iterable[RoutingRecord], schema: RoutingSchema, *,
     if not 2 <= s.num_experts <= xl_ans.MAX_EXPERTS:
         raise ConfigError(f"xl-ans models 2 to {xl_ans.MAX_EXPERTS} experts, the schema has "
                           f"{s.num_experts}")
-    if not isinstance(max_rows, int) or max_rows < 1:
+    if isinstance(max_rows, bool) or not isinstance(max_rows, (int, np.integer)) \
+            or max_rows < 1:
         raise ConfigError(f"max_rows must be an integer >= 1, got {max_rows!r}")
     if not consume and iter(records) is records:
         raise TypeError("count_seed got an iterator: counting would consume the records the "
@@ -596,8 +597,9 @@ class SidecarWriter:
             self._seed_pending = (pending, rows)
 
     def _maybe_seed(self, record: RoutingRecord) -> Any:
-        """Write the seed's model frame before ``record`` where it pays for itself on it,
-        and return ``record``'s payload (under the seed's model where its frame was
+        """Write a model frame of the seed before ``record`` where it pays for itself on it
+        (of the seed's candidates, :func:`_candidates`, the one that pays the most beyond
+        its frame), and return ``record``'s payload (under that model where its frame was
         written, else without a model; None for a one-token record, not tried).
 
         NOTE: the bet is the seed's stream: what the model saves on this record, times as
@@ -686,7 +688,8 @@ class SidecarWriter:
         # record's payload once the frame is written
         current = best = current_payload = None
         own_only = [] if self._own_counts is None else [self._own_counts]
-        for cand in [c for counts in [self._learn] + own_only for c in _candidates(counts, coarse=False)]:
+        cands = [c for counts in [self._learn] + own_only for c in _candidates(counts, False)]
+        for cand in cands:
             payload = cand.stored().to_bytes()
             frame = len(payload) + 24
             if self._model_bytes + frame > share * self._raw_bytes or len(payload) < least:
@@ -700,8 +703,8 @@ class SidecarWriter:
             # NOTE: worth it only if it saves its bytes: what it saves on this record
             # (against the model in use, or none; a record the model has not seen), times
             # the records written so far (as many again are expected), must pay for the
-            # frame; of the candidates, the one that pays the most beyond its frame.
-            # Routing with no cross-layer structure to learn gets no model frames.
+            # frame; of the candidates that pay, the one that saves the most. Routing with
+            # no cross-layer structure to learn gets no model frames.
             saved = _bettable(current - len(coded), coded)
             if saved * (len(self._index) + 1) >= frame and (best is None or saved > best[0]):
                 best = (saved, payload, model, coded)
