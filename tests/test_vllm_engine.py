@@ -1,6 +1,7 @@
 """The vLLM side on the real engine (CPU build), one engine process for all checks
 (tests/vllm_engine_checks.py): the routereplay plugin loaded by vLLM itself (one closed,
-indexed stream per weight version, caller-owned sample ids), WeightSync on an offline
+indexed stream per weight version, caller-owned sample ids; codec xl-ans by
+ROUTEREPLAY_CODEC), WeightSync on an offline
 engine (stale prefix cache, sources refused before the pause, after_weight_update after a
 framework's own update path, a third-party worker extension composed with ours),
 multi-turn segments, chunked prefill with preemption. Routing is checked against an fp32 HF recompute of the same tokens (vLLM fp32
@@ -26,6 +27,10 @@ def run(tiny_model, tmp_path_factory):
     from engine_patches.vllm.harness.triton_cpu import engine_env
     env = engine_env()
     env["ROUTEREPLAY_SIDECAR"] = str(d / "plugin.rrsc")
+    # NOTE: the plugin's streams in xl-ans (the engine's own routing through its writer and
+    # the seeding of each rotated stream from the previous one's counts); the default
+    # codec on the real engine is checked by the demo, serve and mismatch tests
+    env["ROUTEREPLAY_CODEC"] = "xl-ans"
     p = run_py([os.path.join(REPO, "tests", "vllm_engine_checks.py"), "--model", tiny_model,
                 "--v2", str(d / "v2"), "--out", str(d)], timeout=900, env=env)
     assert p.returncode == 0, p.stderr[-4000:]
@@ -57,6 +62,7 @@ def _plugin_streams(st):
     for info in st["streams"]:
         with SidecarReader(info["path"]) as r:
             assert r.scan()[-1] is not None, info          # closed: the index was written
+            assert r.header["codec"] == "xl-ans", info      # ROUTEREPLAY_CODEC followed
             for x in r.records():
                 assert x.sample_id not in out, x.sample_id
                 out[x.sample_id] = (x, info["weight_version"])
