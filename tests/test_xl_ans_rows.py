@@ -17,7 +17,7 @@ from routereplay.record import RoutingRecord
 from routereplay.schema import RoutingSchema
 from routereplay.sidecar import SidecarReader, write_records
 from routereplay.sidecar import writer as writer_module
-from tests.test_xl_ans import (_corrupt_variants, _on_path, _outcome,  # helpers
+from tests.test_xl_ans import (_corrupt_variants, _random_model,  # helpers
                                _same_verdicts, _same_words_on_both_paths, _source)
 
 
@@ -106,20 +106,16 @@ def test_both_coders_agree_on_garbage_under_random_models(monkeypatch):
         e = int(rng.integers(2, 9))
         k = int(rng.integers(1, 3))
         nl = int(rng.integers(1, 3))
-        model = xl_ans.XlModel(e, k, *[(rng.integers(0, 65536, sh) * (rng.random(sh) < .3))
-                                       .astype(np.uint16) for sh in xl_ans.table_shapes(nl, e, k)])
+        model = _random_model(rng, nl, e, k)
         nw = xl_ans_rows.least_bytes(nl) // 4 + int(rng.integers(0, 40))
         words = np.zeros(nw, np.uint32)
         nz = rng.random(nw) < rng.choice([0.02, 0.1, 0.5])
         words[nz] = rng.integers(1, 2 ** 32, nz.sum(), dtype=np.uint64)
         words[-1] = rng.choice([1, 0xA5 << 16, int(rng.integers(1, 2 ** 32))])
         t = int(rng.choice([1, 2, 3, 10, 100, 1000, 9000]))   # 9000: rows past a chunk
-        data = words.astype("<u4").tobytes()
-        a, b = (_on_path(monkeypatch, p, lambda: _outcome(
-            lambda: xl_ans_rows.decode(data, (t, nl, k), np.uint8, model, 0)))
-            for p in ("compiled", "constriction"))
-        assert type(a) is type(b) and (a == b if isinstance(a, str) else np.array_equal(a, b)), \
-            (i, a, b)
+        _same_verdicts(monkeypatch,
+                       lambda d: xl_ans_rows.decode(d, (t, nl, k), np.uint8, model, 0),
+                       [words.astype("<u4").tobytes()])
 
 
 def test_through_the_codec_registry():
@@ -268,8 +264,7 @@ def test_the_compiled_row_tables_are_the_specs():
         e = int(rng.integers(2, 9))
         k = int(rng.integers(1, 3))
         nl = int(rng.integers(1, 4))
-        m = xl_ans.XlModel(e, k, *[(rng.integers(0, 65536, sh) * (rng.random(sh) < .4))
-                                   .astype(np.uint16) for sh in xl_ans.table_shapes(nl, e, k)])
+        m = _random_model(rng, nl, e, k, density=.4)
         tab = xl_ans._tables(m)
         a, b = xl_ans_rows.RowTables(m, tab, jit), xl_ans_rows.RowTables(m, tab, None)
         assert np.array_equal(a.cum, b.cum), i

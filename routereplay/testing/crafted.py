@@ -471,6 +471,22 @@ def xl_ans_model_thrash(schema: RoutingSchema, nbytes: int = MiB, num_layers: in
 CASES["xl-ans model cache thrash"] = xl_ans_model_thrash
 
 
+def _repeat_record(out: list[bytes], pos: int, nbytes: int, prefix: str, rows: int,
+                   sections: list, at_least_one: bool = False) -> bytes:
+    """The stream ``out`` (its bytes end at offset ``pos``) with records of ``rows`` rows
+    holding the same ``sections`` ((codec index, bytes) pairs), sample ids ``<prefix>0000000``,
+    ``<prefix>0000001``, ..., appended until it reaches ``nbytes`` bytes (at least one
+    record with ``at_least_one``), joined."""
+    i = 0
+    while pos < nbytes or (at_least_one and i == 0):
+        frame = encode_frame(KIND_RECORD, _payload.assemble(
+            _payload.encode_meta(f"{prefix}{i:07d}", rows), sections))
+        out.append(frame)
+        pos += len(frame)
+        i += 1
+    return b"".join(out)
+
+
 def xl_ans_dense_rows(schema: RoutingSchema, nbytes: int = MiB, rows: int = 16384,
                       num_experts: int = 64, seed: int = 18, num_layers: int = 2) -> bytes:
     """xl-ans (issue 18 attacker review): the most row work per stored byte that the
@@ -512,14 +528,7 @@ def xl_ans_dense_rows(schema: RoutingSchema, nbytes: int = MiB, rows: int = 1638
     ids = np.stack([l0, l0 + 2][:nl], axis=1)[:, :, None].astype(np.uint8)
     sec = varint(off) + xl_ans.encode(ids, model, 0)
     assert _payload.section_fits("xl-ans", ids.nbytes, len(sec))
-    i = 0
-    while pos < nbytes or i == 0:
-        frame = encode_frame(KIND_RECORD, _payload.assemble(
-            _payload.encode_meta(f"d{i:07d}", rows), [(0, sec)]))
-        out.append(frame)
-        pos += len(frame)
-        i += 1
-    return b"".join(out)
+    return _repeat_record(out, pos, nbytes, "d", rows, [(0, sec)], at_least_one=True)
 
 
 CASES["xl-ans dense rows at the expansion limit"] = xl_ans_dense_rows
@@ -568,14 +577,7 @@ def xl_ans_calls_at_floor(schema: RoutingSchema, nbytes: int = MiB, num_layers: 
             break
         t += 1
     sec = varint(off) + words
-    i = 0
-    while pos < nbytes:
-        f = encode_frame(KIND_RECORD, _payload.assemble(_payload.encode_meta(f"c{i:07d}", t),
-                                                        [(0, sec)]))
-        out.append(f)
-        pos += len(f)
-        i += 1
-    return b"".join(out)
+    return _repeat_record(out, pos, nbytes, "c", t, [(0, sec)])
 
 
 CASES["xl-ans coder calls at the floor"] = xl_ans_calls_at_floor
@@ -624,14 +626,7 @@ def xl_ans_rows_at_work_limit(schema: RoutingSchema, nbytes: int = MiB, rows: in
     assert _payload.section_fits("xl-ans-rows", ids.nbytes, len(sec))
     out = [head, encode_frame(KIND_MODEL, payload)]
     pos = off + len(out[1])
-    i = 0
-    while pos < nbytes or i == 0:
-        frame = encode_frame(KIND_RECORD, _payload.assemble(
-            _payload.encode_meta(f"w{i:07d}", rows), [(1, sec)]))
-        out.append(frame)
-        pos += len(frame)
-        i += 1
-    return b"".join(out)
+    return _repeat_record(out, pos, nbytes, "w", rows, [(1, sec)], at_least_one=True)
 
 
 CASES["xl-ans-rows rows at the work limit"] = xl_ans_rows_at_work_limit
