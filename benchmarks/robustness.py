@@ -1,6 +1,6 @@
 """Reader and CLI work on crafted input, against issue 16's targets.
 
-    .venv/bin/python benchmarks/robustness.py [--quick] [--cases NAME,...]
+    .venv/bin/python benchmarks/robustness.py [--quick] [--cases NAME,...] [--tiny]
 
 For each crafted input (routereplay.testing.crafted, plus two `convert` inputs), a fresh
 process reads it the way a trainer or `routereplay inspect` would (open, scan, every
@@ -133,9 +133,74 @@ def npz_bomb(path: str, nbytes: int) -> None:
                 f.write(block)
 
 
+# Issue 27 item 9: tiny sections, written by the writer (a one-token x one-layer grid; one-row
+# records; version-2 one-row records in one-layer groups) for each writer codec, and the same
+# grid assembled directly (what the writer wrote before the section floors), E=65536 too
+SCHEMA_WIDE = RoutingSchema(num_hidden_layers=4, moe_layer_ids=(0, 1, 2, 3), top_k=8,
+                            num_experts=65536)
+SCHEMA_XL = RoutingSchema(num_hidden_layers=48, moe_layer_ids=tuple(range(48)), top_k=8,
+                          num_experts=64)                   # xl-ans: E <= 64
+TINY_GRID = dict(token_block=1, layer_group=1, one_section_bytes=0, min_section_bytes=0)
+TINY_CODECS = ("xl-zstd", "ctx-zstd", "raw-lm", "zstd-lm", "ctx-ans", "xl-ans")
+TINY_CASES = ([f"tiny grid, writer: {c}" for c in TINY_CODECS]
+              + ["tiny grid, writer: ctx-ans E=65536"]
+              + [f"one-row records, writer: {c}" for c in TINY_CODECS]
+              + [f"v2 one-row records, layer group 1: {c}" for c in ("ctx-zstd", "ctx-ans")]
+              + [f"tiny grid, assembled: {c}" for c in ("xl-zstd", "ctx-zstd", "raw-lm",
+                                                        "zstd-lm", "ctx-ans")]
+              + ["tiny grid, assembled: ctx-ans E=65536"])
+
+
+def _tiny_records(schema: RoutingSchema, n: int, rows: int):
+    from routereplay.record import RoutingRecord
+    rng = np.random.default_rng(0)
+    for i in range(n):
+        ids = np.argsort(rng.random((rows, schema.num_moe_layers, schema.num_experts)), -1)
+        yield RoutingRecord(sample_id=f"r{i}",
+                            expert_ids=ids[..., :schema.top_k].astype(schema.id_dtype))
+
+
+def tiny(name: str, quick: bool) -> bytes:
+    """A TINY_CASES stream of about 0.25 MiB (0.06 with ``quick``)."""
+    from routereplay import codec as _codec
+    from routereplay.sidecar import SidecarWriter
+    from routereplay.sidecar import payload as _payload
+    wide = name.endswith("E=65536")
+    codec = name.split(": ")[1].split()[0]
+    schema = SCHEMA_WIDE if wide else SCHEMA_XL if codec == "xl-ans" else SCHEMA
+    target = (1 if quick else 4) * MiB // 16
+    if name.startswith("tiny grid, assembled"):
+        cid = crafted.CODECS_V3.index(codec)
+        out, size = [], 0
+        for rec in _tiny_records(schema, 10 ** 6, 8):
+            ids, t, nl = rec.expert_ids, 8, schema.num_moe_layers
+            secs = [(cid, _codec.encode(np.ascontiguousarray(ids[b:b + 1, g:g + 1]), codec,
+                                        schema.num_experts))
+                    for g in range(nl) for b in range(t)]
+            out.append(_payload.assemble(_payload.encode_meta(rec.sample_id, t, 1, 1), secs))
+            size += len(out[-1])
+            if size >= target:
+                return crafted.stream(schema, out)
+    v2 = name.startswith("v2")
+    kw = dict(format_version=2, layer_group=1) if v2 else TINY_GRID if "grid" in name else {}
+    rows = 1 if "one-row" in name else 8
+    w = SidecarWriter(None, schema, codec=codec, background=False, **kw)
+    for rec in _tiny_records(schema, 10 ** 6, rows):
+        w.write(rec)
+        if w.bytes_written >= target:
+            break
+    w.close()
+    return w.getvalue()
+
+
 def build(name: str, tmp: str, quick: bool) -> tuple[str, str, str]:
     """(kind, path, schema name) of a crafted input written under ``tmp``."""
-    path = os.path.join(tmp, name.replace(" ", "_"))
+    path = os.path.join(tmp, name.replace(" ", "_").replace(",", "").replace(":", ""))
+    if name in TINY_CASES:
+        with open(path, "wb") as f:
+            f.write(tiny(name, quick))
+        return "read", path, "wide" if name.endswith("E=65536") else \
+            "xl" if name.endswith("xl-ans") else "big"
     if name == "convert: .npz member bomb":
         npz_bomb(path + ".npz", (64 if quick else 256) * MiB)     # 2^24 rows at most
         return "convert", path + ".npz", "small"
@@ -183,20 +248,24 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="smaller resync and npz inputs")
     ap.add_argument("--cases", help="comma-separated case names (default: all)")
+    ap.add_argument("--tiny", action="store_true", help="only the tiny-section cases (issue 27)")
     ap.add_argument("--child", nargs=2, help=argparse.SUPPRESS)
     a = ap.parse_args()
     if a.child:
         child(*a.child)
         return
-    names = list(crafted.CASES) + ["convert: .npz member bomb", "convert: .npy of -1 ids"]
+    names = list(crafted.CASES) + ["convert: .npz member bomb", "convert: .npy of -1 ids"] \
+        + TINY_CASES
     if a.cases:
         names = [n for n in names if n in a.cases.split(",")]
+    if a.tiny:
+        names = TINY_CASES
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         for name in names:
             kind, path, sch = build(name, tmp, a.quick)
             size = os.path.getsize(path)
-            schema = SCHEMA if sch == "big" else SCHEMA_SMALL
+            schema = {"big": SCHEMA, "wide": SCHEMA_WIDE, "xl": SCHEMA_XL}.get(sch, SCHEMA_SMALL)
             bound = 64 * MiB + 4 * largest_record_bytes(schema, size)
             res = run_child(kind, path)
             rows.append((name, size, res, bound))
@@ -205,7 +274,7 @@ def main() -> None:
                 rows.append((f"  `routereplay inspect` on it", size, run_cli(path), bound))
     print(f"schema: {SCHEMA.num_moe_layers} MoE layers, top-{SCHEMA.top_k} of "
           f"{SCHEMA.num_experts} experts (convert rows: 3 layers, top-4 of 16)")
-    hdr = (f"{'case':<36}{'input':>11}{'CPU s':>8}{'target s':>10}{'RSS MiB':>9}"
+    hdr = (f"{'case':<40}{'input':>11}{'CPU s':>8}{'s/MiB':>7}{'target s':>10}{'RSS MiB':>9}"
            f"{'traced MiB':>11}{'mem target MiB':>15}  outcome")
     print(hdr)
     print("-" * len(hdr))
@@ -214,7 +283,7 @@ def main() -> None:
         traced = "" if r["traced"] is None else f"{r['traced'] / MiB:.1f}"
         cpu_ok = r["cpu"] <= max(target, 0.0) or r["cpu"] <= 0.05
         mem_ok = max(r["rss"], r["traced"] or 0) <= bound
-        print(f"{name:<36}{size / MiB:>9.3f}Mi{r['cpu']:>8.3f}{target:>10.4f}"
+        print(f"{name:<40}{size / MiB:>9.3f}Mi{r['cpu']:>8.3f}{r['cpu'] / target:>7.2f}{target:>10.4f}"
               f"{r['rss'] / MiB:>9.1f}{traced:>11}{min(bound / MiB, 1e9):>15.0f}  "
               f"{'' if cpu_ok else '[CPU over] '}{'' if mem_ok else '[MEM over] '}"
               f"{r['outcome']}")

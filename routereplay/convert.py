@@ -38,6 +38,7 @@ from routereplay import wire
 from routereplay.errors import ConfigError, RecordError, SchemaError
 from routereplay.record import RoutingRecord, checked_moe_ids
 from routereplay.schema import RoutingSchema
+from routereplay.sidecar.layout import MAX_JSON_BYTES
 
 KINDS = ("npy", "vllm", "vllm-b64", "sglang-b64")
 MAX_LINE_BYTES = 1 << 30          # one JSON/base64 line (bytes)
@@ -45,6 +46,11 @@ MAX_LINE_BYTES = 1 << 30          # one JSON/base64 line (bytes)
 # sidecar reader's limit, routereplay.sidecar.payload.record_fits): engines' int32 routing
 # deflates 4-30x; a member of 1 GiB of zeros claims about 1000x.
 NPZ_EXPANSION = 128
+# NOTE: the most MoE layer ids a sidecar header can list: its JSON is at most
+# MAX_JSON_BYTES (1 MiB, docs/FORMAT.md "Reader limits") and each id takes at least two
+# bytes of it (a digit and a comma). Layer lists are checked against it before they are
+# expanded.
+MAX_LAYER_IDS = MAX_JSON_BYTES // 2
 
 
 def schema_from_args(config: str | None = None, num_experts: int | None = None,
@@ -57,27 +63,50 @@ def schema_from_args(config: str | None = None, num_experts: int | None = None,
     ``max(moe_layers) + 1``.
 
     Raises:
-        SchemaError: neither a config nor num_experts/top_k, or an inconsistent layout.
+        SchemaError: neither a config nor num_experts/top_k, an inconsistent layout, a
+            ``num_layers`` standing for more MoE layers than :data:`MAX_LAYER_IDS` (checked
+            before they are listed), or a schema whose JSON is above the sidecar header's
+            limit (``MAX_JSON_BYTES``, 1 MiB: no stream could be written with it).
     """
     if config is not None:
-        return RoutingSchema.from_hf_config(config)
+        return _fits_header(RoutingSchema.from_hf_config(config))
     if num_experts is None or top_k is None:
         raise SchemaError("give --config (HF config folder or json) or --num-experts and --top-k")
     if moe_layers is None and num_layers is None:
         raise SchemaError("give --moe-layers or --num-layers with --num-experts/--top-k")
+    if moe_layers is None and int(num_layers) > MAX_LAYER_IDS:
+        raise SchemaError(f"--num-layers {num_layers} (every layer MoE): above the "
+                          f"{MAX_LAYER_IDS} MoE layers a sidecar header can list")
     moe = list(moe_layers) if moe_layers is not None else list(range(int(num_layers)))
     if not moe:
         raise SchemaError("no MoE layers given (--moe-layers is empty)")
     n = int(num_layers) if num_layers is not None else max(moe) + 1
-    return RoutingSchema(num_hidden_layers=n, moe_layer_ids=tuple(moe), top_k=int(top_k),
-                         num_experts=int(num_experts))
+    return _fits_header(RoutingSchema(num_hidden_layers=n, moe_layer_ids=tuple(moe),
+                                      top_k=int(top_k), num_experts=int(num_experts)))
+
+
+def _fits_header(schema: RoutingSchema) -> RoutingSchema:
+    """``schema``, refused if its JSON alone is above the header's ``MAX_JSON_BYTES``.
+
+    NOTE: checked here so that the error names the MoE layers; the writer would refuse
+    the header later, blaming the extra fields it carries."""
+    size = len(json.dumps(schema.to_dict(), separators=(",", ":")))
+    if size > MAX_JSON_BYTES:
+        raise SchemaError(f"{schema.num_moe_layers} MoE layers take {size} bytes of sidecar "
+                          f"header JSON, above the format's limit of {MAX_JSON_BYTES} bytes")
+    return schema
 
 
 def parse_layers(spec: str) -> list[int]:
     """'1,2,5-7' -> [1, 2, 5, 6, 7] (decoder layer indices).
 
+    The count of ids is checked before any range is expanded: more than
+    :data:`MAX_LAYER_IDS` is refused at once (``0-1000000000`` once filled 2 GB before
+    failing), so the work is in proportion to what a sidecar can hold.
+
     Raises:
-        ConfigError: not a comma-separated list of non-negative integers and ranges a-b.
+        ConfigError: not a comma-separated list of non-negative integers and ranges a-b,
+            or more than MAX_LAYER_IDS ids in all (naming the part that goes over).
     """
     out: list[int] = []
     for part in spec.split(","):
@@ -89,14 +118,18 @@ def parse_layers(spec: str) -> list[int]:
                 a, b = (int(x) for x in part.split("-", 1))
                 if b < a or a < 0:
                     raise ValueError(part)
-                out.extend(range(a, b + 1))
             else:
-                out.append(int(part))
-                if out[-1] < 0:
+                a = b = int(part)
+                if a < 0:
                     raise ValueError(part)
         except ValueError:
             raise ConfigError(f"layer list {spec!r}: {part!r} is not a layer index or a range "
                               "a-b of them") from None
+        if len(out) + b - a + 1 > MAX_LAYER_IDS:
+            raise ConfigError(f"layer list {spec!r}: {part!r} makes {len(out) + b - a + 1} "
+                              f"layer ids, above the {MAX_LAYER_IDS} a sidecar header can "
+                              "list")
+        out.extend(range(a, b + 1))
     return out
 
 

@@ -45,6 +45,19 @@ class SidecarError(RouteReplayError):
         self.torn = torn
 
 
+class StreamExistsError(SidecarError, FileExistsError):
+    """A writer's destination already exists: a writer never truncates, reopens or
+    replaces a stream (or any file) unless told to (``SidecarWriter(replace=True)``).
+
+    Attributes:
+        path: the destination that exists.
+    """
+
+    def __init__(self, message: str, path: str | None = None):
+        super().__init__(message)
+        self.path = path
+
+
 class UnknownSampleError(RouteReplayError, KeyError):
     """A sample id is not in a routing source (sidecar, in-memory records, batch).
 

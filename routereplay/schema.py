@@ -150,6 +150,11 @@ class RoutingSchema:
                              if isinstance(d.get(k), (str, list))), None)
         if isinstance(n_layers, bool) or not isinstance(n_layers, int) or n_layers < 1:
             raise SchemaError(f"config has no usable num_hidden_layers ({n_layers!r})")
+        if n_layers > MAX_CONFIG_LAYERS:
+            # NOTE: before the placement is expanded into a list (1e8 layers once took 13 s
+            # and 3.8 GB, then a MemoryError)
+            raise SchemaError(f"config states num_hidden_layers={n_layers}, above the "
+                              f"{MAX_CONFIG_LAYERS} decoder layers routereplay accepts")
         model_type = str(d.get("model_type", ""))
         num_experts = _first_int(d, ("n_routed_experts", "num_experts", "num_local_experts",
                                      "moe_num_experts"))
@@ -245,6 +250,11 @@ _KNOWN_PLACEMENT_KEYS = set(_PATTERN_KEYS + _LAYER_TYPE_KEYS + (
 _PLACEMENT_WORDS = ("moe", "expert", "sparse", "dense", "mlp_only", "hybrid")
 _PLACEMENT_SHAPES = ("layer", "pattern", "step", "freq", "interval", "period", "replace",
                      "skip", "index")
+
+
+MAX_CONFIG_LAYERS = 1 << 16
+"""Most decoder layers a model config may state (the largest public MoE models have under
+100); checked before any per-layer list is built from a config."""
 
 
 def moe_placement(d: Mapping[str, Any], num_hidden_layers: int) -> list[int]:

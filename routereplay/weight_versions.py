@@ -28,3 +28,39 @@ def output_spans_to_rows(output_spans: Sequence[tuple[str, int, int]], prompt_le
         a = 0 if i == 0 else prompt_len + int(s) - 1
         out.append(WeightVersionSpan(str(version), a, prompt_len + int(e) - 1))
     return out
+
+
+MAX_VERSION_LABEL = 256
+"""Longest weight-version label accepted from a caller (characters)."""
+
+
+def check_version_label(label: object, *, what: str = "weight_version") -> str:
+    """Validate a weight-version label before it reaches a stream header or a record.
+
+    A label names a policy version (``"step-12"``, a checkpoint hash, a timestamp): 1 to
+    :data:`MAX_VERSION_LABEL` characters of printable ASCII (``" "`` to ``"~"``). A label
+    of megabytes would make every later stream header exceed the readers' limit
+    (docs/FORMAT.md "Reader limits"), and control characters would reach logs and file
+    listings.
+
+    Args:
+        label: the caller's label (a ``str``).
+        what: the name used in the error (a route's field, a parameter).
+    Returns:
+        the label, unchanged.
+    Raises:
+        ValueError: not a str, empty, longer than MAX_VERSION_LABEL, or holding other
+            characters (naming the first bad position).
+    """
+    if not isinstance(label, str):
+        raise ValueError(f"{what} must be a string, not {type(label).__name__}")
+    if not label:
+        raise ValueError(f"{what} must not be empty")
+    if len(label) > MAX_VERSION_LABEL:
+        raise ValueError(f"{what} is {len(label)} characters long, above the limit of "
+                         f"{MAX_VERSION_LABEL}")
+    for i, ch in enumerate(label):
+        if not " " <= ch <= "~":
+            raise ValueError(f"{what} holds {ch!r} at position {i}: only printable ASCII "
+                             "(' ' to '~') is accepted")
+    return label

@@ -109,8 +109,20 @@ def ctx_ans(data, t, g_count, k, e, sorted_rows):
     return [[rows[g][row] for g in range(g_count)] for row in range(t)]    # [T][G][K]
 
 
+def zstd_frame(blob):
+    """The content of the zstd frame at the start of ``blob`` (FORMAT.md "Conventions"):
+    the frame must be whole (the decoder reaches its end) and hold exactly its declared
+    content size, if it declares one; bytes after it are not read."""
+    declared = zstandard.frame_content_size(blob)       # raises on a non-frame (skippable too)
+    obj = zstandard.ZstdDecompressor().decompressobj()
+    c = obj.decompress(blob)
+    assert obj.eof, "truncated zstd frame"
+    assert declared < 0 or len(c) == declared, "zstd frame holds other than its declared size"
+    return c
+
+
 def ctx_zstd(blob, t, g_count, k, e):
-    c = zstandard.ZstdDecompressor().decompressobj().decompress(blob)   # size declared or not
+    c = zstd_frame(blob)                                    # size declared or not
     total = g_count * t
     nbits = (total + 7) // 8
     fresh = [(c[i // 8] >> (7 - i % 8)) & 1 for i in range(total)]
@@ -147,7 +159,7 @@ def xl_zstd(blob, t, g_count, k, e):
     if mode == 0:
         return ctx_zstd(body, t, g_count, k, e)
     assert mode in (1, 2)
-    c = zstandard.ZstdDecompressor().decompressobj().decompress(body)
+    c = zstd_frame(body)
     n = t * g_count * k
     p = 4 if e <= 4 else 2 if e <= 11 or e == 16 else 1 if e <= 256 else 0
     if mode == 2 or p <= 1:
@@ -217,12 +229,16 @@ class XlModel:
 def model_at(ctx, o):
     """The model of the kind-3 frame at stream offset ``o`` (checked, cached)."""
     if o not in ctx["models"]:
+        # NOTE: only frames the scan reaches are model frames ("xl-ans": a kind-3 frame
+        # nested in another frame's bytes is none)
+        assert o in ctx["model_frames"], "model offset is not a model frame the scan found"
         data, (start, end) = ctx["data"], ctx["area"]
         assert start <= o and o + 24 <= end, "model offset outside the frame area"
         magic, kind, plen, pcrc, hcrc = struct.unpack("<4sB3xQII", data[o:o + 24])
         assert magic == b"RRFM" and hcrc == zlib.crc32(data[o:o + 20])
         assert kind == 3, "frame at the model offset is not of kind 3"
         assert o + 24 + plen <= end
+        assert o + 24 + plen <= ctx.get("record", end), "model frame runs into the record"
         payload = data[o + 24:o + 24 + plen]
         assert zlib.crc32(payload) == pcrc, "model payload CRC"
         ctx["models"][o] = XlModel(payload, ctx["lmoe"], ctx["k"], ctx["e"])
@@ -392,14 +408,15 @@ def routing_part(codec, blob, t, g_count, k, e, l0=0, ctx=None):
     if codec.startswith("ctx-ans"):
         return ctx_ans(blob, t, g_count, k, e, codec == "ctx-ans-sorted")
     assert codec in ("raw-lm", "zstd-lm"), codec
-    raw = blob if codec == "raw-lm" else zstandard.ZstdDecompressor().decompress(blob)
+    raw = blob if codec == "raw-lm" else zstd_frame(blob)
+    assert len(raw) == t * g_count * k * item
     vals = struct.unpack(f"<{len(raw) // item}{'B' if item == 1 else 'H'}", raw)
     return [[list(vals[((g * t) + row) * k:((g * t) + row + 1) * k])
              for g in range(g_count)] for row in range(t)]
 
 
 def array(name, codec, blob, count):
-    raw = zstandard.ZstdDecompressor().decompress(blob) if codec == "zstd" else blob
+    raw = zstd_frame(blob) if codec == "zstd" else blob
     return list(struct.unpack(f"<{count}{'i' if name == 'token_ids' else 'f'}", raw))
 
 
@@ -444,6 +461,7 @@ def record_v3(payload, pcrc, header, lmoe, k, e, ctx=None):
                 ln, pos = varint(payload, pos)
                 rec[key].append([a, a + ln])
     assert pos == h
+    _check_spans(rec, t)
     n_blocks = max(1, -(-t // b_rows))
     n_groups = -(-lmoe // g_size)
     s = n_groups * n_blocks + len(arrays)
@@ -485,6 +503,14 @@ def index_v3(payload):
     return {"records": out}
 
 
+def _check_spans(rec, t):
+    """Spans lie within the sequence the rows imply ("Reader limits": spans)."""
+    seq = rec["start"] + t + 1
+    assert all(0 <= w[1] <= w[2] <= seq for w in rec["weight_versions"]), "span beyond the record"
+    assert all(0 <= a <= b <= seq for key in ("recomputed", "prefix_cached")
+               for a, b in rec[key]), "span beyond the record"
+
+
 def read_stream(data):
     """-> (header dict, [record dicts with 'routing' as nested lists [T][L_moe][K]])."""
     assert data[:8] == b"\x89RRSC\r\n\x1a"
@@ -497,7 +523,8 @@ def read_stream(data):
     lmoe, k, e = len(sch["moe_layer_ids"]), sch["top_k"], sch["num_experts"]
     off, records, index, offsets = 20 + j, [], None, []
     end = len(data) - 16 if data[-8:] == b"RRSCEND\x00" else len(data)
-    ctx = {"data": data, "area": (20 + j, end), "models": {}, "lmoe": lmoe, "k": k, "e": e}
+    ctx = {"data": data, "area": (20 + j, end), "models": {}, "lmoe": lmoe, "k": k, "e": e,
+           "model_frames": set()}
     while off + 24 <= end:
         magic, kind, plen, pcrc, hcrc = struct.unpack("<4sB3xQII", data[off:off + 24])
         if magic != b"RRFM":
@@ -505,6 +532,8 @@ def read_stream(data):
         assert hcrc == zlib.crc32(data[off:off + 20])
         payload = data[off + 24:off + 24 + plen]
         if kind == 3 and version == 3:                    # xl-ans model: scans check it
+            ctx["model_frames"].add(off)
+            ctx.pop("record", None)                       # not named by a record here
             model_at(ctx, off)
         elif kind == 2:
             assert zlib.crc32(payload) == pcrc
@@ -542,6 +571,7 @@ def read_stream(data):
                         rec["routing"][row][l0:l1] = part[row]
                 elif name in ("token_ids", "logprobs"):
                     rec[name] = array(name, codec, blob, dims[0])
+            _check_spans(rec, t)
             records.append(rec)
             offsets.append(off)
         off += 24 + plen

@@ -175,12 +175,14 @@ def test_layer_groups_decode_only_requested(schema, monkeypatch):
     calls = []
     real = codec.decode
     monkeypatch.setattr(codec, "decode", lambda *a, **k: calls.append(a[2]) or real(*a, **k))
-    # a grid of 8-row x 1-layer sections (one_section_bytes=0: even this short record)
-    data = write_records(None, schema, [rec], layer_group=1, token_block=8,
+    # a grid of 128-row x 1-layer sections (one_section_bytes=0: even this short record;
+    # sections of 8 rows would fall under the reader's section floor: the writer doubles)
+    long = random_record(schema, "g", 400, 3)
+    data = write_records(None, schema, [long], layer_group=1, token_block=128,
                          one_section_bytes=0, min_section_bytes=0).getvalue()
-    part = SidecarReader(data).read("g", layers=[1], tokens=(10, 14), arrays=False)
-    np.testing.assert_array_equal(part.expert_ids, rec.expert_ids[10:14, [1]])
-    assert calls == [(8, 1, 4)]             # one of 3 x 3 sections decoded
+    part = SidecarReader(data).read("g", layers=[1], tokens=(130, 140), arrays=False)
+    np.testing.assert_array_equal(part.expert_ids, long.expert_ids[130:140, [1]])
+    assert calls == [(128, 1, 4)]           # one of 4 x 3 sections decoded
     calls.clear()
     v2 = write_records(None, schema, [rec], layer_group=1, format_version=2).getvalue()
     np.testing.assert_array_equal(SidecarReader(v2).read("g", layers=[1]).expert_ids,

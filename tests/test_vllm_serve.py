@@ -12,6 +12,7 @@ import socket
 import subprocess
 import sys
 import time
+import urllib.error
 import urllib.request
 
 import numpy as np
@@ -27,9 +28,13 @@ def _free_port():
         return s.getsockname()[1]
 
 
-def _post(url, body):
+API_KEY = "rr-test-key"
+AUTH = {"Authorization": f"Bearer {API_KEY}"}
+
+
+def _post(url, body, headers=AUTH):
     req = urllib.request.Request(url, data=json.dumps(body).encode(),
-                                 headers={"Content-Type": "application/json"})
+                                 headers={"Content-Type": "application/json", **headers})
     with urllib.request.urlopen(req, timeout=300) as r:
         return json.loads(r.read())
 
@@ -69,7 +74,7 @@ def server(tiny_model, tmp_path_factory):
          "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32", "--enforce-eager",
          "--enable-return-routed-experts", "--enable-prefix-caching", "--max-model-len", "512",
          "--max-num-batched-tokens", "1024", "--kv-cache-memory-bytes", str(64 << 20),
-         "--served-model-name", "tiny"],
+         "--served-model-name", "tiny", "--api-key", API_KEY],
         stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
     url = f"http://127.0.0.1:{port}"
     try:
@@ -95,9 +100,17 @@ def server(tiny_model, tmp_path_factory):
         log.close()
 
 
-def _get(url):
-    with urllib.request.urlopen(url, timeout=60) as r:
+def _get(url, headers=AUTH):
+    with urllib.request.urlopen(urllib.request.Request(url, headers=headers), timeout=60) as r:
         return json.loads(r.read())
+
+
+def _status(fn, *a, **k):
+    try:
+        fn(*a, **k)
+    except urllib.error.HTTPError as e:
+        return e.code
+    return 200
 
 
 def test_references_are_readable_at_once_and_streams_rotate_per_version(server):
@@ -138,21 +151,27 @@ def test_references_are_readable_at_once_and_streams_rotate_per_version(server):
     assert len(streams) == 1
     assert {sid for _, sid in refs.values()} == {
         f"uid-{i}" if i % 2 else f"cmpl-uid-{i}-0" for i in range(100)}
+    # admin routes behind the server's --api-key, over a real socket (as /v1/completions)
+    assert _status(_post, url + "/v1/completions", {"model": "tiny", "prompt": [5]}, {}) == 401
+    assert _status(_get, url + "/routereplay/streams", {}) == 401
+    assert _status(_post, url + "/routereplay/rotate", {}, {}) == 401
+    assert _status(_post, url + "/routereplay/flush", {}, {"Authorization": "Bearer no"}) == 401
     before = _get(url + "/routereplay/streams")["streams"]
-    assert before[-1]["path"] in streams and not before[-1]["closed"]
+    folder = d / "streams"                # names in the configured folder, never server paths
+    assert str(folder / before[-1]["name"]) in streams and not before[-1]["closed"]
     # a weight-version change closes the stream: one closed, indexed stream per version
     _post(url + "/update_weight_version", {"new_version": "v2"})
     after = _get(url + "/routereplay/streams")["streams"]
     assert after[-1] == dict(before[-1], closed=True)
-    with SidecarReader(after[-1]["path"]) as r:
+    with SidecarReader(str(folder / after[-1]["name"])) as r:
         assert r.scan()[-1] is not None and len(r.sample_ids()) == before[-1]["records"]
     g = _post(url + "/v1/completions", {"model": "tiny", "prompt": prompts[0], "max_tokens": 2,
                                         "ignore_eos": True, "request_id": "uid-v2"})
     stream2, sid2 = SidecarRef.parse(g["choices"][0]["routed_experts"])
-    assert stream2 != after[-1]["path"]
+    assert os.path.basename(stream2) != after[-1]["name"]
     rot = _post(url + "/routereplay/rotate", {})
-    assert rot["closed"] == stream2 and rot["streams"][-1] == {
-        "path": stream2, "weight_version": "v2", "records": 1, "closed": True}
+    assert rot["closed"] == os.path.basename(stream2) and rot["streams"][-1] == {
+        "name": os.path.basename(stream2), "weight_version": "v2", "records": 1, "closed": True}
     with SidecarReader(stream2) as r:
         assert r.scan()[-1] is not None
         assert [s.version for s in r.read(sid2).weight_versions] == ["v2"]
@@ -181,7 +200,7 @@ def test_served_requests_stream_into_the_sidecar(server, tiny_model):
     streams = {SidecarRef.parse(r)[0] for r in refs}
     assert len(streams) == 1 and str(d / "streams") in next(iter(streams))
     r = _post(url + "/routereplay/rotate", {})
-    assert r["closed"] == next(iter(streams))
+    assert r["closed"] == os.path.basename(next(iter(streams)))
     os.killpg(proc.pid, signal.SIGTERM)          # clean shutdown: the stream gets its index
     proc.wait(120)
     schema = RoutingSchema.from_hf_config(tiny_model)

@@ -991,8 +991,8 @@ def test_writers_close_the_files_they_opened_and_only_those(tmp_path):
     rng = np.random.default_rng(4)
     seed = xl_ans.XlModel.empty(4, 8, 2)
     seed.count(src.sample(rng, 3000)[0])
-    for kw in ({}, {"codec": "xl-ans"}, {"codec": "xl-ans", "xl_ans_seed": seed}):
-        path = tmp_path / "a.rrsc"
+    for n, kw in enumerate(({}, {"codec": "xl-ans"}, {"codec": "xl-ans", "xl_ans_seed": seed})):
+        path = tmp_path / f"a{n}.rrsc"
         with warnings.catch_warnings():
             warnings.simplefilter("error", ResourceWarning)
             w = SidecarWriter(str(path), schema, background=False, **kw)

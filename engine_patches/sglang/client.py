@@ -13,10 +13,13 @@ rollouts (thousands of concurrent requests), its blocking twin, and the offline 
 
 Both clients run on httpx (the ``sglang`` extra): one connection pool per client (keep-alive
 connections reused), at most ``max_concurrency`` requests in flight (asyncio semaphore;
-the pool holds as many connections), per-request timeouts, retries with exponential
-backoff on transport errors (connection refused or reset, timeouts, a server that closed
-the connection) and on HTTP 502/503/504; any other HTTP error fails at once, naming the
-request. Every record is written to the sidecar writer as soon as its response is decoded
+the pool holds as many connections), retries with exponential backoff on transport errors
+(connection refused or reset, timeouts, a server that closed the connection) and on HTTP
+502/503/504; any other failure fails at once, naming the request. Every attempt has a
+wall-clock deadline (``timeout`` seconds for the whole attempt, not per socket read) and a
+bound on the reply's size derived from the request (:func:`reply_bound`), so a slow,
+endless or hostile reply costs neither unbounded time nor memory (engine_patches.sglang.http).
+Every record is written to the sidecar writer as soon as its response is decoded
 (response decoding runs on a worker thread, so the event loop keeps serving other
 requests; writes are serialised); a response without routing raises RecordError naming the
 request and the server flag.
@@ -28,17 +31,23 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import json
 import random
-import time
+import threading
+import weakref
 from typing import Any, Mapping, Sequence
 
 from engine_patches.sglang import http
-from engine_patches.sglang.records import record_from_response
+from engine_patches.sglang.records import MAX_LINE_BYTES, record_from_response
 from routereplay.errors import ConfigError
 from routereplay.record import RoutingRecord
 from routereplay.schema import RoutingSchema
 
-RETRY_STATUS = (502, 503, 504)
+RETRY_STATUS = http.RETRY_STATUS
+REPLY_BYTES_PER_TOKEN = 1024       # a token's text, id and logprob entries (JSON), routing aside
+REPLY_BYTES_PER_TOP_LOGPROB = 128  # one [logprob, id, text] alternative of a token
+REPLY_FIXED_BYTES = 1 << 20        # meta_info and the rest of the body
+TEMPLATE_TOKENS = 8192             # tokens a chat template may add to a text prompt
 
 
 def with_routing(payload: Mapping[str, Any], start_len: int = 0) -> dict[str, Any]:
@@ -59,6 +68,49 @@ def next_start(previous: RoutingRecord) -> int:
     return previous.start + previous.num_tokens
 
 
+def _count(v: Any) -> int | None:
+    return v if isinstance(v, int) and not isinstance(v, bool) and v >= 0 else None
+
+
+def reply_bound(payload: Mapping[str, Any], schema: RoutingSchema, *, kind: str = "generate",
+                num_fused_shared_experts: int = 0) -> int | None:
+    """A generous bound (bytes) on the reply to ``payload``, or None when the request states
+    no output length.
+
+    T = prompt tokens + the output length the request states (``sampling_params.
+    max_new_tokens``; OpenAI: ``max_completion_tokens`` or ``max_tokens``). Prompt tokens:
+    ``len(input_ids)`` (or an OpenAI ``prompt`` of ids); for text, the UTF-8 bytes of the
+    whole request body (a byte-level tokenizer makes at most one token per byte) plus
+    ``TEMPLATE_TOKENS`` for a chat template. The routed-experts payload is base64 (4/3) of
+    int32 ``[<= T, num_hidden_layers, top_k + num_fused_shared_experts]``; every token may
+    also carry ``REPLY_BYTES_PER_TOKEN`` of text, ids and logprobs plus
+    ``REPLY_BYTES_PER_TOP_LOGPROB`` per top-logprob alternative asked for
+    (``top_logprobs_num``, ``top_logprobs``, ``logprobs``), and the body
+    ``REPLY_FIXED_BYTES`` more (meta_info).
+    """
+    if kind == "generate":
+        sp = payload.get("sampling_params")
+        new = _count(sp.get("max_new_tokens")) if isinstance(sp, Mapping) else None
+        ids = payload.get("input_ids")
+    else:
+        new = _count(payload.get("max_completion_tokens"))
+        new = _count(payload.get("max_tokens")) if new is None else new
+        ids = payload.get("prompt") if kind == "completions" else None
+    if new is None:
+        return None
+    if isinstance(ids, list) and all(_count(t) is not None for t in ids):
+        prompt = len(ids)
+    else:
+        prompt = len(json.dumps(payload, ensure_ascii=False).encode()) + TEMPLATE_TOKENS
+    top = max([_count(payload.get(k)) or 0 for k in ("top_logprobs_num", "top_logprobs",
+                                                       "logprobs")])
+    tokens = prompt + new
+    row = 4 * schema.num_hidden_layers * (schema.top_k + num_fused_shared_experts)
+    return (4 * -(-tokens * row // 3) + tokens * (REPLY_BYTES_PER_TOKEN
+                                                 + REPLY_BYTES_PER_TOP_LOGPROB * top)
+            + REPLY_FIXED_BYTES)
+
+
 def _route(payload: Mapping[str, Any], start_len: int, kind: str) -> tuple[str, dict, Any]:
     """(endpoint, body, prompt ids or None) of one request."""
     if kind not in ("generate", "completions", "chat"):
@@ -69,13 +121,16 @@ def _route(payload: Mapping[str, Any], start_len: int, kind: str) -> tuple[str, 
     return path, with_routing(payload, start_len), ids if isinstance(ids, list) else None
 
 
-def _check_policy(max_concurrency: int, retries: int, timeout: float) -> None:
+def _check_policy(max_concurrency: int, retries: int, timeout: float,
+                  max_reply_bytes: int | None) -> None:
     if isinstance(max_concurrency, bool) or not isinstance(max_concurrency, int) or max_concurrency < 1:
         raise ConfigError(f"max_concurrency must be an integer >= 1, got {max_concurrency!r}")
     if isinstance(retries, bool) or not isinstance(retries, int) or retries < 0:
         raise ConfigError(f"retries must be an integer >= 0, got {retries!r}")
     if not timeout or timeout <= 0:
         raise ConfigError(f"timeout must be > 0 seconds, got {timeout!r}")
+    if max_reply_bytes is not None and not _count(max_reply_bytes):
+        raise ConfigError(f"max_reply_bytes must be an integer >= 1, got {max_reply_bytes!r}")
 
 
 def _backoff(attempt: int, base: float) -> float:
@@ -91,11 +146,18 @@ class AsyncSGLangRoutingClient:
         schema: the served model's routing schema.
         writer: a SidecarWriter (or None to only return records).
         max_concurrency: requests in flight at most (and pooled connections).
-        timeout: seconds per request attempt (``connect_timeout`` for connecting).
-        retries: extra attempts after a transport error or HTTP 502/503/504.
+        timeout: seconds per request attempt, wall-clock, overall: connecting, sending,
+            the generation and reading the whole reply (not per socket read).
+        connect_timeout: seconds for connecting, within ``timeout``.
+        retries: extra attempts after a transport error, a missed deadline or HTTP
+            502/503/504.
         backoff_s: first retry delay (doubled each retry, with jitter).
         num_fused_shared_experts: fused shared-expert columns the server's payload carries
             per row (0 for SGLang 0.5.23).
+        max_reply_bytes: bound on every reply body (bytes), instead of the one derived
+            from each request (:func:`reply_bound`; requests that state no output length
+            get ``records.MAX_LINE_BYTES``, 1 GiB). Set it for replies the derivation does
+            not foresee (e.g. ``return_hidden_states``).
         client: an ``httpx.AsyncClient`` to use instead of the client's own pool.
     Raises:
         ConfigError: a bad policy value.
@@ -106,15 +168,17 @@ class AsyncSGLangRoutingClient:
     def __init__(self, base_url: str, schema: RoutingSchema, writer: Any = None, *,
                  max_concurrency: int = 64, timeout: float = 600.0,
                  connect_timeout: float = 10.0, retries: int = 3, backoff_s: float = 0.5,
-                 num_fused_shared_experts: int = 0, client: Any = None):
-        _check_policy(max_concurrency, retries, timeout)
+                 num_fused_shared_experts: int = 0, max_reply_bytes: int | None = None,
+                 client: Any = None):
+        _check_policy(max_concurrency, retries, timeout, max_reply_bytes)
         httpx = http.httpx_module()
-        self.base_url, self.schema, self.writer = base_url, schema, writer
+        self.base_url, self.schema, self.writer, self.timeout = base_url, schema, writer, timeout
         self.retries, self.backoff_s = retries, backoff_s
         self.num_fused_shared_experts = num_fused_shared_experts
+        self.max_reply_bytes = max_reply_bytes
         self._own = client is None
         self._client = client if client is not None else httpx.AsyncClient(
-            timeout=httpx.Timeout(timeout, connect=connect_timeout),
+            timeout=httpx.Timeout(timeout, connect=min(connect_timeout, timeout)),
             limits=httpx.Limits(max_connections=max_concurrency,
                                 max_keepalive_connections=max_concurrency))
         self._sem = asyncio.Semaphore(max_concurrency)
@@ -132,29 +196,38 @@ class AsyncSGLangRoutingClient:
         if self._own:
             await self._client.aclose()
 
-    async def post(self, path: str, body: dict[str, Any]) -> Any:
-        """POST with the concurrency bound and the retry policy; the decoded JSON.
+    async def post(self, path: str, body: dict[str, Any], *, max_reply_bytes: int | None = None,
+                   name: str | None = None) -> Any:
+        """POST with the concurrency bound, the deadline and the retry policy; the decoded
+        JSON.
 
+        Args:
+            max_reply_bytes: bound on the reply body (bytes) of this request; the
+                client's ``max_reply_bytes``, when set, takes precedence; neither:
+                ``records.MAX_LINE_BYTES`` (1 GiB).
+            name: the sample or request named in errors.
         Raises:
-            SGLangHTTPError: an HTTP error, or a transport error after the retries (naming
-                the endpoint and the attempts).
+            SGLangHTTPError: naming the endpoint (and ``name``): an HTTP error, a reply that
+                is too large or not JSON, or a transport error or missed deadline after the
+                retries (with the attempts).
         """
-        httpx = http.httpx_module()
+        what = f"POST {path}" + (f" (sample {name!r})" if name is not None else "")
+        limit = self.max_reply_bytes or max_reply_bytes or MAX_LINE_BYTES
+        url = http.url_of(self.base_url, path)
         async with self._sem:
             attempt = 0
             while True:
                 attempt += 1
                 self.stats["requests"] += 1
                 try:
-                    r = await self._client.post(http.url_of(self.base_url, path), json=body)
-                    if r.status_code in RETRY_STATUS and attempt <= self.retries:
-                        raise _Retryable(f"HTTP {r.status_code}")
-                    return http.decode_reply("POST", path, r.status_code, r.content)
-                except (httpx.TransportError, _Retryable) as e:
+                    return await http.attempt(self._client, "POST", url, body,
+                                              timeout=self.timeout, max_bytes=limit, what=what)
+                except http.SGLangHTTPError as e:
+                    if not e.retryable:
+                        raise
                     if attempt > self.retries:
-                        raise http.SGLangHTTPError(
-                            f"POST {path}: {type(e).__name__}: {e} (after {attempt} attempts)"
-                        ) from None
+                        raise http.SGLangHTTPError(f"{e} (after {attempt} attempts)",
+                                                   retryable=True) from None
                     self.stats["retries"] += 1
                     await asyncio.sleep(_backoff(attempt, self.backoff_s))
 
@@ -162,9 +235,17 @@ class AsyncSGLangRoutingClient:
                       start_len: int = 0, sample_id: str | None = None
                       ) -> tuple[dict, RoutingRecord]:
         """One request (``kind``: "generate", "completions", "chat") -> (response, record);
-        the record is written to the writer before this returns."""
+        the record is written to the writer before this returns.
+
+        Raises:
+            SGLangHTTPError: see :meth:`post`; RecordError: a response without (valid)
+                routing, naming the request.
+        """
         path, body, ids = _route(payload, start_len, kind)
-        resp = await self.post(path, body)
+        resp = await self.post(
+            path, body, name=sample_id if sample_id is not None else payload.get("rid"),
+            max_reply_bytes=reply_bound(payload, self.schema, kind=kind,
+                                        num_fused_shared_experts=self.num_fused_shared_experts))
         rec = await asyncio.to_thread(
             record_from_response, resp, self.schema, start_len=start_len, prompt_ids=ids,
             sample_id=sample_id, num_fused_shared_experts=self.num_fused_shared_experts)
@@ -208,29 +289,57 @@ class AsyncSGLangRoutingClient:
             for i, p in enumerate(payloads)), return_exceptions=return_exceptions)
 
 
-class _Retryable(Exception):
-    """A reply that the retry policy retries (HTTP 502/503/504)."""
-
-
 class SGLangRoutingClient:
     """The blocking twin of :class:`AsyncSGLangRoutingClient` (same requests, records,
-    retry policy), one request at a time on a pooled ``httpx.Client``.
+    deadline, size bound and retry policy): it runs one on a private event loop thread, so
+    calls from several threads share its pool (up to 64 requests in flight).
 
-    Args: as :class:`AsyncSGLangRoutingClient` (no ``max_concurrency``).
+    NOTE: an event loop, not httpx's blocking client: that one's timeouts are per socket
+    read, so a server trickling bytes (even in the headers) could hold a call past any
+    deadline, and a blocked read cannot be interrupted.
+
+    Args: as :class:`AsyncSGLangRoutingClient` (no ``max_concurrency`` nor ``client``).
+    Call :meth:`close` (or use ``with``) to stop the loop thread and close the pool.
     """
 
     def __init__(self, base_url: str, schema: RoutingSchema, writer: Any = None, *,
                  timeout: float = 600.0, connect_timeout: float = 10.0, retries: int = 3,
-                 backoff_s: float = 0.5, num_fused_shared_experts: int = 0):
-        _check_policy(1, retries, timeout)
-        httpx = http.httpx_module()
+                 backoff_s: float = 0.5, num_fused_shared_experts: int = 0,
+                 max_reply_bytes: int | None = None):
+        _check_policy(1, retries, timeout, max_reply_bytes)
+        http.httpx_module()
         self.base_url, self.schema, self.writer, self.timeout = base_url, schema, writer, timeout
-        self.retries, self.backoff_s = retries, backoff_s
-        self.num_fused_shared_experts = num_fused_shared_experts
-        self._client = httpx.Client(timeout=httpx.Timeout(timeout, connect=connect_timeout))
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, daemon=True,
+                                        name="sglang-client")
+        self._thread.start()
+        # NOTE: a client dropped without close() stops its loop thread when collected
+        self._stop = weakref.finalize(self, self._loop.call_soon_threadsafe, self._loop.stop)
+
+        async def make() -> AsyncSGLangRoutingClient:     # NOTE: built on the loop it uses
+            return AsyncSGLangRoutingClient(
+                base_url, schema, writer, timeout=timeout, connect_timeout=connect_timeout,
+                retries=retries, backoff_s=backoff_s, max_reply_bytes=max_reply_bytes,
+                num_fused_shared_experts=num_fused_shared_experts)
+        self._async = self._run(make())
+        self.stats = self._async.stats
+
+    def _run(self, coro: Any) -> Any:
+        fut = asyncio.run_coroutine_threadsafe(coro, self._loop)
+        try:
+            return fut.result()
+        except BaseException:
+            fut.cancel()                   # NOTE: e.g. KeyboardInterrupt while waiting
+            raise
 
     def close(self) -> None:
-        self._client.close()
+        """Close the pool and stop the loop thread (idempotent)."""
+        if self._loop.is_closed():
+            return
+        self._run(self._async.aclose())
+        self._stop()
+        self._thread.join()
+        self._loop.close()
 
     def __enter__(self) -> "SGLangRoutingClient":
         return self
@@ -238,33 +347,15 @@ class SGLangRoutingClient:
     def __exit__(self, *exc) -> None:
         self.close()
 
-    def post(self, path: str, body: dict[str, Any]) -> Any:
-        """POST with the retry policy (see AsyncSGLangRoutingClient.post)."""
-        httpx = http.httpx_module()
-        attempt = 0
-        while True:
-            attempt += 1
-            try:
-                r = self._client.post(http.url_of(self.base_url, path), json=body)
-                if r.status_code in RETRY_STATUS and attempt <= self.retries:
-                    raise _Retryable(f"HTTP {r.status_code}")
-                return http.decode_reply("POST", path, r.status_code, r.content)
-            except (httpx.TransportError, _Retryable) as e:
-                if attempt > self.retries:
-                    raise http.SGLangHTTPError(f"POST {path}: {type(e).__name__}: {e} "
-                                               f"(after {attempt} attempts)") from None
-                time.sleep(_backoff(attempt, self.backoff_s))
+    def post(self, path: str, body: dict[str, Any], **kw: Any) -> Any:
+        """See :meth:`AsyncSGLangRoutingClient.post`."""
+        return self._run(self._async.post(path, body, **kw))
 
     def request(self, payload: Mapping[str, Any], *, kind: str = "generate", start_len: int = 0,
                 sample_id: str | None = None) -> tuple[dict, RoutingRecord]:
-        path, body, ids = _route(payload, start_len, kind)
-        resp = self.post(path, body)
-        rec = record_from_response(resp, self.schema, start_len=start_len, prompt_ids=ids,
-                                   sample_id=sample_id,
-                                   num_fused_shared_experts=self.num_fused_shared_experts)
-        if self.writer is not None:
-            self.writer.write(rec)
-        return resp, rec
+        """See :meth:`AsyncSGLangRoutingClient.request`."""
+        return self._run(self._async.request(payload, kind=kind, start_len=start_len,
+                                             sample_id=sample_id))
 
     def generate(self, payload: Mapping[str, Any], *, start_len: int = 0,
                  sample_id: str | None = None) -> tuple[dict, RoutingRecord]:

@@ -105,7 +105,10 @@ class SGLangWeightSync:
 
     Args:
         base_url: e.g. ``http://127.0.0.1:30000``.
-        timeout: seconds per HTTP call.
+        timeout: seconds per HTTP call, wall-clock, overall (connecting, sending, the
+            server's work and reading the whole reply; not per socket read). Replies are
+            bounded to ``http.CONTROL_REPLY_BYTES`` (1 MiB); a slower, larger or malformed
+            reply is an ``SGLangHTTPError`` (a ``WeightSyncError`` from :meth:`sync`).
         initial_version: if given, set as the server's weight version now
             (:meth:`set_version`).
     """

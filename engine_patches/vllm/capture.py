@@ -28,6 +28,9 @@ import atexit
 import dataclasses
 import logging
 import os
+import re
+import secrets
+import socket
 import threading
 import time
 import weakref
@@ -35,8 +38,9 @@ from typing import Any
 
 from engine_patches.vllm import check_vllm_version
 from engine_patches.vllm.records import record_from_parts, sample_key
-from routereplay.errors import RouteReplayError
+from routereplay.errors import RouteReplayError, StreamExistsError
 from routereplay.schema import RoutingSchema
+from routereplay.weight_versions import check_version_label
 
 VLLM_VERSION = check_vllm_version()
 
@@ -75,6 +79,23 @@ class _RequestInfo:
     attempt: int | None = None
 
 
+def unique_stream_stem(prefix: str) -> str:
+    """``<prefix>-<UTC time>-<host>-<pid>-<random>``: a stream name no other process makes.
+
+    NOTE: the pid alone repeats: a container's entrypoint gives the API server the same small
+    pid on every start, so a restarted server would reuse (and before routereplay 0.4,
+    truncate) the earlier run's ``vllm-<pid>.rrsc``; the host keeps servers on one shared
+    folder apart, the time orders a folder's streams by start, and 48 random bits cover
+    the rest (two processes of one host started in the same second with the same pid, as
+    in two containers). The writer also creates every stream exclusively.
+
+    Example: ``vllm-20261202T031500Z-node7-1-3fa9c2d41b07``.
+    """
+    host = re.sub(r"[^A-Za-z0-9_.]+", "_", socket.gethostname())[:32] or "host"
+    stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
+    return f"{prefix}-{stamp}-{host}-{os.getpid()}-{secrets.token_hex(6)}"
+
+
 class Streamer:
     """Per-process state: schema, the open stream's writer, closed streams, counters."""
 
@@ -103,6 +124,12 @@ class Streamer:
     def _resolve(self) -> str:
         """Path of stream 0 of this process.
 
+        A folder (a local one, or a URL ending in ``/``) gets
+        ``<folder>/<unique_stream_stem("vllm")>.rrsc``: unique across API-server processes,
+        restarts and hosts. A file path is this process's first stream where nothing
+        exists there yet; otherwise (an earlier run's stream, another API server's) see
+        :meth:`_unique_base`.
+
         Raises:
             RouteReplayError: a local destination whose folder does not exist, a '#' in
                 the path, or an unknown codec (``ROUTEREPLAY_CODEC``).
@@ -112,14 +139,27 @@ class Streamer:
         if "#" in d:
             raise RouteReplayError(f"{ENV_SIDECAR}={d!r}: a stream path may not contain '#'")
         if "://" in d:
-            return d
+            return d + unique_stream_stem("vllm") + ".rrsc" if d.endswith("/") else d
         if d.endswith("/") or os.path.isdir(d):
             os.makedirs(d, exist_ok=True)
-            return os.path.join(d, f"vllm-{os.getpid()}.rrsc")
+            return os.path.join(d, unique_stream_stem("vllm") + ".rrsc")
         parent = os.path.dirname(os.path.abspath(d))
         if not os.path.isdir(parent):
             raise RouteReplayError(f"{ENV_SIDECAR}={d!r}: folder {parent} does not exist")
+        if os.path.lexists(d):
+            return self._unique_base(d, "exists")
         return d
+
+    def _unique_base(self, path: str, why: str) -> str:
+        """A file destination that is taken: this process's streams get unique names beside
+        it (``<stem>-<UTC time>-<host>-<pid>-<random><ext>``), logged once, and nothing is
+        ever written over it (several API servers given one file path, or a restart)."""
+        stem, ext = os.path.splitext(path)
+        base = unique_stream_stem(stem) + (ext or ".rrsc")
+        log.warning("routereplay: %s=%s %s (an earlier run's stream, or another API-server "
+                    "process's): this process writes its streams as %s instead; give a folder "
+                    "for one stream per process", ENV_SIDECAR, path, why, base)
+        return base
 
     def check_codec(self) -> None:
         """``ROUTEREPLAY_CODEC`` against the plugin's column order (engine) and, once known,
@@ -147,15 +187,28 @@ class Streamer:
             self.path = self._path(self.seq)
             header = {"engine": f"vllm {VLLM_VERSION}", "stream_seq": self.seq}
             if self.version is not None:
-                header["weight_version"] = self.version
+                try:
+                    header["weight_version"] = check_version_label(self.version)
+                except ValueError as e:
+                    # NOTE: a label set through the engine's own API (not our routes, which
+                    # refuse it): the stream stays writable, its header unlabelled; the
+                    # records keep the engine's spans
+                    log.error("routereplay: stream %s: %s: not in its header", self.path, e)
             # NOTE: with references handed to clients, each frame must be written and
             # flushed before the reference leaves: no background queue then.
             # NOTE: xl-ans: each stream starts from the counts the previous one learned
             # (one stream per weight version would otherwise relearn its model each time)
             seed = {"xl_ans_seed": self.seed} if self.seed is not None else {}
-            self.writer = SidecarWriter(self.path, self.schema, codec=self.codec,
-                                        background=not self.reference, extra_header=header,
-                                        **seed)
+            kw = dict(codec=self.codec, background=not self.reference, extra_header=header,
+                      **seed)
+            try:
+                self.writer = SidecarWriter(self.path, self.schema, **kw)
+            except StreamExistsError:
+                # NOTE: created exclusively: another process took the name since start-up
+                # (API servers sharing a file path); never written over, a unique base instead
+                self.base = self._unique_base(self.base, f"was taken ({self.path})")
+                self.path = self._path(self.seq)
+                self.writer = SidecarWriter(self.path, self.schema, **kw)
         return self.writer
 
     def rotate(self, weight_version: str | None = None) -> str | None:

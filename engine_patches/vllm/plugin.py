@@ -88,6 +88,16 @@ class SidecarRef(str):
         return stream, sid
 
 
+def _check_label(label: Any) -> None:
+    """:func:`routereplay.weight_versions.check_version_label`, as a ConfigError."""
+    from routereplay.errors import ConfigError
+    from routereplay.weight_versions import check_version_label
+    try:
+        check_version_label(label)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+
+
 def _streamer():
     import sys
     cap = sys.modules.get("engine_patches.vllm.capture")
@@ -115,9 +125,12 @@ def install(dest: str, *, reference: bool | None = None, codec: str | None = Non
     Raises:
         ImportError: unsupported vLLM (names the version found and the versions supported).
         RouteReplayError: a bad destination or codec (at start-up, never later).
+        ConfigError: a bad ``weight_version`` (as :func:`rotate`).
 
     Idempotent: a second call changes nothing.
     """
+    if weight_version is not None:
+        _check_label(weight_version)
     from engine_patches.vllm import capture
     if reference is None:
         reference = os.environ.get(ENV_RESPONSE, "") == "reference"
@@ -134,7 +147,15 @@ def rotate(weight_version: str | None = None) -> str | None:
     """Close the open stream (index and trailer written: a reader opens it without a scan)
     and start a new one with the next record, labelled ``weight_version`` (default: the
     current label). Returns the closed stream's path, or None when nothing was written since
-    the last rotation (no empty stream is made) or capture is not installed."""
+    the last rotation (no empty stream is made) or capture is not installed.
+
+    Raises:
+        ConfigError: ``weight_version`` is not a label of 1 to 256 printable ASCII
+            characters (:func:`routereplay.weight_versions.check_version_label`; it goes
+            into every later stream header), checked before anything is closed.
+    """
+    if weight_version is not None:
+        _check_label(weight_version)
     st = _streamer()
     return None if st is None else st.rotate(weight_version)
 

@@ -16,10 +16,19 @@ Exit status: 0 success, 1 a runtime error (bad or corrupt input, a missing recor
 dependency, a failed step), 2 a usage error (bad options; argparse's convention). Output
 cut short by a closed pipe (``| head``) is not an error. ``--no-progress`` silences every
 progress bar (ours, tqdm's and transformers').
+
+Output paths (``--out``, ``--json``, ``--plot``): a new path or a regular file is written
+to a new sibling ``PATH.<random>.partial`` and renamed over PATH once whole (a failed
+command leaves PATH as it was); an existing FIFO or character device (``/dev/null``,
+``/dev/stdout``) is written straight through and nothing is renamed over it (our own
+lines then go to stderr if it is our stdout); a folder, a block device, a socket, or a
+symbolic link to a file (or to nothing) is refused (exit 2): a link is neither replaced nor
+written through.
 """
 from __future__ import annotations
 
 import argparse
+import io
 import json
 import os
 import stat
@@ -78,6 +87,8 @@ def _sid(sid: str) -> str:
 
 
 def _cmd_demo(a: argparse.Namespace) -> int:
+    if a.json:
+        _check_out(a.json, [], "--json")          # NOTE: before minutes of rollout
     _require("torch", "transformers", "vllm", "megatron")
     from routereplay.cli.demo.run import DemoConfig, format_report, run_demo
     cfg = DemoConfig(model=a.model, num_prompts=a.prompts, max_tokens=a.max_tokens,
@@ -94,18 +105,22 @@ def _cmd_demo(a: argparse.Namespace) -> int:
         if str(e).startswith("parallel spec"):     # an option value: a usage error
             raise UsageError(f"--trainer-parallel {a.trainer_parallel}: {e}") from None
         raise
-    print(format_report(res))
+    print(format_report(res), file=_report_to(a.json))
     if a.json:
-        with open(a.json, "w") as f:
-            json.dump(res, f, indent=2)
+        _write_output(a.json, _json_writer(res), "--json")
     return 0
 
 
-def _open(paths: list[str]):
+NO_FLOORS_HELP = ("read sections below the reader floors (docs/FORMAT.md 'Reader limits'): "
+                  "streams of earlier writers with tiny grids or ctx-ans records of a few "
+                  "rows; trusted streams only (their CPU per MiB is then unbounded)")
+
+def _open(paths: list[str], a: argparse.Namespace | None = None):
     """A reader for the sidecar arguments: one stream, or several (files, folders, globs)
-    read as one."""
+    read as one; ``--no-floors`` (``a.no_floors``) for trusted streams of earlier writers."""
     from routereplay.sidecar import open_sidecar
-    return open_sidecar(paths if len(paths) > 1 else paths[0])
+    return open_sidecar(paths if len(paths) > 1 else paths[0],
+                        floors=not getattr(a, "no_floors", False))
 
 
 def _cmd_inspect(a: argparse.Namespace) -> int:
@@ -115,7 +130,7 @@ def _cmd_inspect(a: argparse.Namespace) -> int:
                            "complete": False, "errors": [],
                            "records": []}
     try:
-        r = _open(a.sidecar)
+        r = _open(a.sidecar, a)
     except (RouteReplayError, OSError) as e:
         out["errors"].append(str(e))
         return _emit_inspect(out, a.json, 1)
@@ -243,39 +258,111 @@ def _input_files(inputs: list[str]) -> list[str]:
     return [p for p in out if os.path.exists(p)]
 
 
+def _write_through(out: str, option: str = "--out") -> bool:
+    """How an output path is written, by what is there now (links followed):
+
+    - nothing, or a regular file: False. The output goes to a new sibling
+      ``<out>.<random>.partial`` (created exclusively) renamed over ``out`` once whole
+      (:func:`_write_output`), so a failed step never leaves a half-written ``out``.
+    - a FIFO or a character device (``/dev/null``, ``/dev/stdout`` on a pipe or a
+      terminal): True. Written straight through (``open(out, "wb")``): the bytes go to
+      the reader or the device and nothing is renamed over the node.
+
+    Raises:
+        UsageError: naming ``option`` and the path: a folder; a block device (a disk:
+            never written over); a socket (it cannot be opened as a file); a symbolic link
+            to anything else (or to nothing). NOTE: the link is neither replaced by a
+            file (``os.replace`` renames over the link itself: ``--out /dev/stdout`` with
+            stdout redirected to a file would replace the system's ``/dev/stdout``) nor
+            written through (its target, maybe another run's stream, would be lost):
+            the user names the file itself.
+    """
+    try:
+        st = os.stat(out)
+    except FileNotFoundError:
+        st = None
+    if st is not None and stat.S_ISDIR(st.st_mode):
+        raise UsageError(f"{option} {out} is a folder: give a file path")
+    if st is not None and (stat.S_ISFIFO(st.st_mode) or stat.S_ISCHR(st.st_mode)):
+        return True
+    if st is not None and stat.S_ISBLK(st.st_mode):
+        raise UsageError(f"{option} {out} is a block device: refusing to write over it")
+    if st is not None and stat.S_ISSOCK(st.st_mode):
+        raise UsageError(f"{option} {out} is a socket: it cannot be written as a file")
+    if os.path.islink(out):
+        raise UsageError(f"{option} {out} is a symbolic link (to {os.readlink(out)}): give "
+                         "the path of the file itself; the link is not replaced and its "
+                         "target is not written over")
+    return False
+
+
+def _new_sibling(out: str) -> str:
+    """A path next to ``out`` that does not exist yet (for a file created exclusively)."""
+    import secrets
+    return f"{out}.{secrets.token_hex(6)}.partial"
+
+
 def _check_out(out: str, inputs: list[str], option: str = "--out") -> None:
-    """Refuse an output path that is a folder, or one of (or inside) the inputs, or whose
-    temporary file (``out + '.partial'``) is one of them: globs and folders are expanded
-    first, so no spelling of an input can be overwritten or removed (``file://`` URLs are
-    checked as the paths they name)."""
+    """Refuse, before any work, an output path that cannot be written
+    (:func:`_write_through`), whose folder does not exist, or that is one of (or inside)
+    the inputs: globs and folders are expanded first, so no spelling of an input can be
+    overwritten (``file://`` URLs are checked as the paths they name)."""
     out = _local_path(out)
     if "://" in out:
         return
-    if os.path.isdir(out):
-        raise UsageError(f"{option} {out} is a folder: give a file path")
+    _write_through(out, option)
     parent = os.path.dirname(os.path.abspath(out))
     if not os.path.isdir(parent):
         raise UsageError(f"{option} {out}: its folder {parent} does not exist")
     for src in _input_files(inputs):
-        for target in (out, out + ".partial"):
-            if os.path.exists(target) and os.path.samefile(target, src):
-                raise UsageError(f"refusing to write {option} {out}: "
-                                 f"{'it' if target == out else 'its temporary file ' + target}"
-                                 f" is the input {src}")
-        if os.path.isdir(src) and os.path.samefile(os.path.dirname(os.path.abspath(out)), src):
+        if os.path.exists(out) and os.path.samefile(out, src):
+            raise UsageError(f"refusing to write {option} {out}: it is the input {src}")
+        if os.path.isdir(src) and os.path.samefile(parent, src):
             raise UsageError(f"refusing to write {option} {out}: it is inside the input {src}")
 
 
-def _replace_atomically(dest: str, write) -> None:
-    """``write(path)`` to ``dest + '.partial'``, then rename onto ``dest``; the partial file
-    is removed on any failure (nothing half-written is left behind)."""
-    tmp = dest + ".partial"
+def _write_output(out: str, write, option: str = "--out") -> None:
+    """``write(f)`` (``f`` a binary file) to the output ``out``, as :func:`_write_through`
+    decides at this moment: through a FIFO or character device, or to a new sibling file
+    renamed over ``out`` at the end (removed on any failure: nothing half-written is left
+    behind and an existing ``out`` stays as it was)."""
+    if _write_through(out, option):
+        with open(out, "wb") as f:
+            write(f)
+        return
+    tmp = _new_sibling(out)
     try:
-        write(tmp)
-        os.replace(tmp, dest)
+        with open(tmp, "xb") as f:
+            write(f)
+        os.replace(tmp, out)
     finally:
-        if os.path.exists(tmp):
+        if os.path.lexists(tmp):
             os.remove(tmp)
+
+
+def _report_to(*outs: str | None):
+    """Where a command's own lines go: stderr when one of its outputs is its stdout
+    (``--out /dev/stdout | consumer``: the bytes on the pipe stay one whole stream), else
+    stdout."""
+    try:
+        so = os.fstat(sys.stdout.fileno())
+    except (OSError, ValueError, AttributeError):
+        return sys.stdout
+    for out in outs:
+        try:
+            st = os.stat(out) if out and "://" not in out else None
+        except OSError:
+            continue
+        if st is not None and (st.st_dev, st.st_ino) == (so.st_dev, so.st_ino):
+            return sys.stderr
+    return sys.stdout
+
+
+def _json_writer(obj: Any, **kw: Any):
+    """A ``write(f)`` for :func:`_write_output`: ``obj`` as indented JSON (UTF-8)."""
+    def write(f) -> None:
+        f.write(json.dumps(obj, indent=2, **kw).encode())
+    return write
 
 
 def _cmd_convert(a: argparse.Namespace) -> int:
@@ -302,6 +389,8 @@ def _cmd_convert(a: argparse.Namespace) -> int:
         where = "--config " + a.config if a.config else "--num-experts/--top-k/--moe-layers"
         if isinstance(e, SchemaError) and a.config:
             raise SchemaError(f"{a.config}: {e}") from None
+        if str(e).startswith("--"):                 # NOTE: it names its option itself
+            raise UsageError(str(e)) from None
         raise UsageError(f"{where if isinstance(e, SchemaError) else '--codec'}: {e}") from None
     return _convert(a, schema)
 
@@ -337,8 +426,8 @@ def _sidecar_records(readers: list, skip: bool) -> Any:
         # NOTE: corrupt frames came above (a scan lists them); beyond the first
         # MAX_REPORTED only their count is kept; a torn tail ends the stream
         from routereplay.sidecar.reader import MAX_REPORTED
-        if reader._num_corrupt > MAX_REPORTED:
-            bad(f"{reader.name}: {reader._num_corrupt - MAX_REPORTED} more corrupt frames")
+        if reader.num_corrupt > MAX_REPORTED:
+            bad(f"{reader.name}: {reader.num_corrupt - MAX_REPORTED} more corrupt frames")
         if reader.torn_tail is not None:
             bad(f"{reader.name}: torn tail at offset {reader.torn_tail} (a frame cut short)")
         elif not reader.complete:
@@ -365,7 +454,7 @@ def _seed_from(a: argparse.Namespace, schema) -> dict:
     from routereplay.sidecar import MultiSidecarReader
     from routereplay.sidecar.writer import _check_seed
     try:
-        with _open([a.seed_from]) as sr:
+        with _open([a.seed_from], a) as sr:
             s, t = sr.schema, schema
             if (s.num_moe_layers, s.num_experts, s.top_k) != (t.num_moe_layers, t.num_experts,
                                                               t.top_k):
@@ -446,7 +535,7 @@ def _convert(a: argparse.Namespace, schema) -> int:
     ``--from sidecar``, the input stream's)."""
     from routereplay.convert import iter_records
     from routereplay.sidecar import MultiSidecarReader, SidecarWriter, writer_codec
-    # NOTE: file:// URLs are local files: written through a .partial file and checked
+    # NOTE: file:// URLs are local files: written as paths are and checked
     # against the inputs like paths (a URL output once wrote over its input in place)
     a.out, a.input = _local_path(a.out), _local_path(a.input)
     if getattr(a, "seed_from", None):
@@ -463,11 +552,14 @@ def _convert(a: argparse.Namespace, schema) -> int:
     local = "://" not in a.out
     if not local or "://" in a.input:
         _require("fsspec")
-    # NOTE: write next to the target and rename at the end, so a failed conversion never
-    # truncates an existing file at --out before any input was read.
-    dest = a.out + ".partial" if local else a.out
-    if local and os.path.lexists(dest):
-        os.unlink(dest)             # NOTE: a stale one (or a link): never written through
+    # NOTE: a FIFO or character device (/dev/null) is written through; a file is written
+    # to a new sibling renamed over --out at the end (_write_through), so a failed
+    # conversion never truncates an existing file at --out. The sibling does not exist
+    # yet: the writer creates its path exclusively.
+    through = local and _write_through(a.out)
+    dest = a.out if not local else None if through else _new_sibling(a.out)
+    nothing = (f"{a.out} got a stream of no records" if through else
+               f"nothing written to {a.out}")
     n = tokens = 0
     interrupted = False
     # NOTE: records are written as they are read; on a bad sample the writer still closes
@@ -476,7 +568,7 @@ def _convert(a: argparse.Namespace, schema) -> int:
     if a.kind == "sidecar":
         # NOTE: a file, a folder or a glob of streams (one per weight version, say) read as
         # one and written as one stream: xl-ans learns one model for all of them
-        reader = _open([a.input])
+        reader = _open([a.input], a)
         readers = reader.readers if isinstance(reader, MultiSidecarReader) else [reader]
         schema = reader.schema
         try:
@@ -518,11 +610,16 @@ def _convert(a: argparse.Namespace, schema) -> int:
     counted = 0
     if a.codec == "xl-ans" and not a.seed_from and a.column_order == "engine":
         seed, counted = _self_seed(a, schema, readers)
+    if through:
+        dest = open(a.out, "wb")    # NOTE: a FIFO: blocks until its reader opens it
     try:
         with SidecarWriter(dest, schema, codec=a.codec, column_order=a.column_order,
                            layer_group=a.layer_group, token_block=a.token_block,
                            format_version=a.format_version,
-                           extra_header=extra or {"source": a.kind}, **seed) as w:
+                           extra_header=extra or {"source": a.kind},
+                           # NOTE: an --out URL is replaced as a local --out is (by a
+                           # rename there); the writer refuses existing ones otherwise
+                           replace=not local, **seed) as w:
             for rec in _progress(records, a, desc="convert", unit="record"):
                 w.write(rec)
                 n += 1
@@ -530,7 +627,7 @@ def _convert(a: argparse.Namespace, schema) -> int:
     except RouteReplayError as e:
         msg = str(e)
         if not n:
-            msg += f"; no record was converted, nothing written to {a.out}"
+            msg += f"; no record was converted, {nothing}"
         raise (UsageError if isinstance(e, ConfigError) else RouteReplayError)(
             msg if a.input in msg else f"{a.input}: {msg}") from None
     except BaseException:
@@ -539,7 +636,9 @@ def _convert(a: argparse.Namespace, schema) -> int:
     finally:
         if reader is not None:
             reader.close()
-        if local and os.path.exists(dest):
+        if through:
+            dest.close()
+        elif local and os.path.exists(dest):
             try:
                 if n and not interrupted:
                     os.replace(dest, a.out)     # every sample before a bad one is kept
@@ -547,15 +646,17 @@ def _convert(a: argparse.Namespace, schema) -> int:
                 if os.path.exists(dest):
                     os.remove(dest)
     if not n:
-        raise RouteReplayError(f"{a.input}: no record to convert; nothing written to {a.out}")
-    size = os.path.getsize(a.out) if local else w.bytes_written
+        raise RouteReplayError(f"{a.input}: no record to convert; {nothing}")
+    size = os.path.getsize(a.out) if local and not through else w.bytes_written
     rows = tokens * schema.num_moe_layers
+    report = _report_to(a.out)
     print(f"wrote {n} records, {tokens} tokens, {size} bytes"
-          + (f", {8 * size / rows:.3f} bits per token-layer" if rows else "") + f" -> {a.out}")
+          + (f", {8 * size / rows:.3f} bits per token-layer" if rows else "") + f" -> {a.out}",
+          file=report)
     if counted and w.seed_frame_written:
         which = f"all {counted}" if counted >= n else f"the first {counted} (of {n})"
         print(f"xl-ans model counted from {which} records of the input (a first pass), "
-              "written before the first record")
+              "written before the first record", file=report)
     if w.codec == "xl-ans" and not w.model_frames:
         from routereplay.sidecar.writer import MODEL_FIRST_ROWS
         if a.column_order == "sorted":
@@ -573,7 +674,7 @@ def _convert(a: argparse.Namespace, schema) -> int:
         else:
             why = ("no model would have saved its own bytes (routing whose layers do not "
                    "depend on each other, or too few records)")
-        print(f"no xl-ans model frame: {why}; the stream is coded as xl-zstd")
+        print(f"no xl-ans model frame: {why}; the stream is coded as xl-zstd", file=report)
     return 0
 
 
@@ -581,8 +682,9 @@ def _cmd_export(a: argparse.Namespace) -> int:
     import numpy as np
 
     from routereplay.errors import UnknownSampleError
+    a.out = _local_path(a.out)
     _check_out(a.out, a.sidecar)
-    with _open(a.sidecar) as r:
+    with _open(a.sidecar, a) as r:
         try:
             rec = r.read(a.sample, arrays=False)
         except UnknownSampleError:
@@ -597,12 +699,15 @@ def _cmd_export(a: argparse.Namespace) -> int:
             full[:, list(r.schema.moe_layer_ids)] = ids
             ids = full
 
-    def save(path: str) -> None:
-        with open(path, "wb") as f:
-            np.save(f, ids, allow_pickle=False)
-    _replace_atomically(a.out, save)
+    def save(f) -> None:
+        # NOTE: through a buffer: np.save asks a real file for its position, which a pipe
+        # (--out /dev/stdout | ...) has not; one record's ids
+        buf = io.BytesIO()
+        np.save(buf, ids, allow_pickle=False)
+        f.write(buf.getbuffer())
+    _write_output(a.out, save)
     print(f"sample {a.sample!r}: {ids.shape[0]} tokens from position {rec.start}, "
-          f"array {list(ids.shape)} {ids.dtype} -> {a.out}")
+          f"array {list(ids.shape)} {ids.dtype} -> {a.out}", file=_report_to(a.out))
     return 0
 
 
@@ -612,6 +717,9 @@ def _cmd_verify(a: argparse.Namespace) -> int:
     from routereplay.schema import RoutingSchema
     from routereplay.sidecar import SidecarReader
     # NOTE: before any long step (a missing matplotlib found after minutes of recompute)
+    for option, out in (("--json", a.json), ("--plot", a.plot)):
+        if out:
+            _check_out(out, [a.sidecar], option)
     _require("torch", "transformers", *(["megatron"] if a.trainer == "megatron" else []),
              *(["matplotlib"] if a.plot else []))
     try:
@@ -649,16 +757,18 @@ def _cmd_verify(a: argparse.Namespace) -> int:
             # NOTE: the recompute computed the metrics (verify.summarize) once, from the
             # experts in router column order; they are read back, not recomputed.
             summary = verify.load_summary(out)
-    print(verify.format_report(summary))
+    report = _report_to(a.json, a.plot)
+    print(verify.format_report(summary), file=report)
     if a.json:
         out = {k: v for k, v in summary.items() if k != "deltas"}
         out.update({"trainer": a.trainer, "model": a.model, "sidecar": a.sidecar})
-        with open(a.json, "w") as f:
-            json.dump(verify.json_safe(out), f, indent=2, allow_nan=False)
+        _write_output(a.json, _json_writer(verify.json_safe(out), allow_nan=False), "--json")
     if a.plot:
-        verify.plot(summary, a.plot, sidecar=a.sidecar, model=a.model,
-                    layer_ids=schema.moe_layer_ids, trainer=a.trainer)
-        print(f"plot: {a.plot}")
+        # NOTE: a file object: matplotlib writes its default format, PNG (what --plot is)
+        _write_output(a.plot, lambda f: verify.plot(
+            summary, f, sidecar=a.sidecar, model=a.model, layer_ids=schema.moe_layer_ids,
+            trainer=a.trainer), "--plot")
+        print(f"plot: {a.plot}", file=report)
     return 0
 
 
@@ -730,6 +840,7 @@ def build_parser() -> argparse.ArgumentParser:
     i.add_argument("sidecar", nargs="+",
                    help="sidecar stream(s): files, folders (every *.rrsc) or globs, read as one")
     i.add_argument("--json", action="store_true")
+    i.add_argument("--no-floors", action="store_true", help=NO_FLOORS_HELP)
     i.set_defaults(func=_cmd_inspect)
     c = sub.add_parser("convert", parents=[common],
                        help="engine routing arrays or wire payloads -> sidecar, or re-encode "
@@ -780,11 +891,13 @@ def build_parser() -> argparse.ArgumentParser:
                    help="sglang-b64/sglang-json: fused shared-expert columns each payload row "
                    "carries after the top_k routed ones (default 0; SGLang 0.5.23 strips them); "
                    "the width is never guessed from the byte count")
+    c.add_argument("--no-floors", action="store_true", help=NO_FLOORS_HELP)
     c.set_defaults(func=_cmd_convert)
     x = sub.add_parser("export", parents=[common], help="decode one sample of a sidecar to .npy")
     x.add_argument("sidecar", nargs="+",
                    help="sidecar stream(s): files, folders (every *.rrsc) or globs, read as one")
     x.add_argument("--sample", required=True)
+    x.add_argument("--no-floors", action="store_true", help=NO_FLOORS_HELP)
     x.add_argument("--out", required=True)
     x.add_argument("--full-layers", action="store_true",
                    help="[T, num_hidden_layers, top_k] with dense layers zero-filled (vLLM "

@@ -36,6 +36,16 @@ from routereplay.errors import RecordError, SidecarError
 
 FIRST_BLOCK = 16          # rows
 MAX_BLOCK = 4096          # rows
+# NOTE: the reader's floor (docs/FORMAT.md "Reader limits", issue 27): a section's words
+# must hold at least least_bytes() bytes, checked before anything is decoded. Decoding costs
+# a fixed ~0.3 ms a row block (Python: a constriction model per layer, an argsort, a few
+# numpy calls), a few us more a layer, and an O(E) popularity order per layer and block
+# (~1-3 ms at E=65536); without a floor, tiny sections (one row, one layer) read at 16-37 s
+# of CPU per MiB, 223-293 s at E=65536. At the floor they read at about 1 s per MiB (a scan
+# and a read of every record); the writer stores a section under it with ctx-zstd.
+FLOOR_BLOCK_BYTES = 384   # per row block
+FLOOR_LAYER_BYTES = 8     # per layer and row block
+FLOOR_EXPERTS_PER_BYTE = 16   # per layer and row block: E / this
 
 
 def blocks(num_rows: int) -> list[tuple[int, int]]:
@@ -46,6 +56,20 @@ def blocks(num_rows: int) -> list[tuple[int, int]]:
         out.append((s, min(s + size, num_rows)))
         s += size
     return out
+
+
+def least_bytes(num_rows: int, num_layers: int, num_experts: int) -> int:
+    """The reader's floor for a section of ids [num_rows, num_layers, K] (bytes of words):
+    per row block of :func:`blocks` (at least one: the end marker), ``FLOOR_BLOCK_BYTES``
+    plus, per layer, ``FLOOR_LAYER_BYTES + num_experts // FLOOR_EXPERTS_PER_BYTE``."""
+    return max(1, len(blocks(num_rows))) * (
+        FLOOR_BLOCK_BYTES + num_layers * (FLOOR_LAYER_BYTES + num_experts // FLOOR_EXPERTS_PER_BYTE))
+
+
+def fits_floor(nbytes: int, shape: tuple[int, int, int], num_experts: int) -> bool:
+    """Whether a section of ``nbytes`` bytes of words holding ids ``shape`` [T, L_g, K]
+    is at or above the reader's floor (:func:`least_bytes`)."""
+    return nbytes >= least_bytes(shape[0], shape[1], num_experts)
 
 
 def _alphabet(num_experts: int, top_k: int, sorted_rows: bool) -> int:
@@ -183,7 +207,8 @@ def decode(data: bytes, shape: tuple[int, int, int], dtype: np.dtype, num_expert
 
     Raises:
         SidecarError: malformed section (see routereplay.codec.ans.Decoder), or symbols that
-            decode to no valid expert.
+            decode to no valid expert. (The reader's floor, :func:`least_bytes`, is checked
+            by the sidecar reader before it calls this: routereplay.sidecar.payload.)
     """
     t, lg, k = shape
     dec = ans.Decoder(data)

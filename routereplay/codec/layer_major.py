@@ -7,6 +7,8 @@ fast general-purpose fallback and to read streams written with them; ``ctx-ans``
 """
 from __future__ import annotations
 
+import threading
+
 import numpy as np
 import zstandard
 
@@ -23,34 +25,53 @@ def encode(ids: np.ndarray, codec: str, level: int = ZSTD_LEVEL) -> bytes:
     return zstandard.ZstdCompressor(level=level).compress(lm.tobytes())
 
 
-def bounded_zstd_decompress(data: bytes, nbytes: int, chunk: int = 1 << 20, *,
-                            exact: bool = True) -> bytes:
-    """Decompress one zstd frame that must hold exactly ``nbytes`` bytes (at most
-    ``nbytes`` with ``exact=False``).
+_TLS = threading.local()
 
-    NOTE: memory grows with the bytes actually produced (read in ``chunk``-sized steps),
-    never with a size claimed by metadata or by the frame header, so forged sizes cannot
-    cause a huge allocation.
+
+def _dctx() -> zstandard.ZstdDecompressor:
+    """A decompressor per thread (zstandard's are not thread-safe; making one per section
+    is a large share of a tiny section's read)."""
+    d = getattr(_TLS, "dctx", None)
+    if d is None:
+        d = _TLS.dctx = zstandard.ZstdDecompressor()
+    return d
+
+
+def bounded_zstd_decompress(data: bytes, nbytes: int, *, exact: bool = True) -> bytes:
+    """Decompress one whole zstd frame that must hold exactly ``nbytes`` bytes (at most
+    ``nbytes`` with ``exact=False``); bytes after the frame are ignored.
+
+    docs/FORMAT.md "Conventions": a frame is whole when the decoder reaches its end (its
+    last block, and its checksum where the frame header announces one); a declared content
+    size must equal what the frame holds. A truncated frame is refused even where the
+    blocks before the cut hold ``nbytes`` bytes (issue 27: the same rule in every section).
+
+    NOTE: a declared size is checked against ``nbytes`` before anything is decompressed,
+    and an undeclared one is bounded by ``nbytes + 1`` bytes of output: memory never
+    follows a size claimed by the frame, only ``nbytes``, which callers bound by the
+    reader's expansion limit (routereplay.sidecar.payload.section_fits) first.
 
     Raises:
-        SidecarError: not a valid zstd frame, or its content is not ``nbytes`` long
-            (longer than ``nbytes`` with ``exact=False``).
+        SidecarError: not a zstd frame (a skippable frame included), a truncated frame, or
+            content that is not ``nbytes`` long (longer than ``nbytes`` with ``exact=False``).
     """
-    out = bytearray()
     try:
-        reader = zstandard.ZstdDecompressor().stream_reader(data, read_across_frames=False)
-        while len(out) <= nbytes:
-            piece = reader.read(min(chunk, nbytes + 1 - len(out)))
-            if not piece:
-                break
-            out += piece
+        declared = zstandard.frame_content_size(data)
     except zstandard.ZstdError as e:
-        raise SidecarError(f"zstd section does not decode: {e}") from None
-    if len(out) > nbytes or (exact and len(out) != nbytes):
-        raise SidecarError(f"zstd section holds {'more than ' if len(out) > nbytes else ''}"
-                           f"{len(out)} bytes, metadata says {'at most ' if not exact else ''}"
-                           f"{nbytes}")
-    return bytes(out)
+        raise SidecarError(f"zstd section is not a zstd frame: {e}") from None
+    if declared > nbytes or (exact and declared >= 0 and declared != nbytes):
+        raise SidecarError(f"zstd section declares {declared} bytes, metadata says "
+                           f"{'at most ' if not exact else ''}{nbytes}")
+    try:
+        out = _dctx().decompress(data, max_output_size=nbytes + 1)
+    except zstandard.ZstdError as e:
+        raise SidecarError(f"zstd section is truncated or holds more than {nbytes} bytes (not "
+                           f"a whole frame of {'at most ' if not exact else ''}{nbytes} bytes): "
+                           f"{e}") from None
+    if len(out) > nbytes or (exact and len(out) != nbytes) or (declared >= 0 and len(out) != declared):
+        raise SidecarError(f"zstd section holds {len(out)} bytes, metadata says "
+                           f"{'at most ' if not exact else ''}{nbytes}")
+    return out
 
 
 def decode(data: bytes, codec: str, shape: tuple[int, int, int], dtype: np.dtype) -> np.ndarray:

@@ -62,6 +62,22 @@ EXPANSION_SLACK = 64 << 10             # the most slack bytes a section gets
 RECORD_EXPANSION = max(EXPANSION.values())
 FALLBACK = ("ctx-zstd", "raw-lm")      # routing codecs a writer falls back to, in order
 SECTION_OVERHEAD = 5                   # bytes of a version-3 section before its data
+# NOTE: reader limit (docs/FORMAT.md "Reader limits", issue 27): every routing section of a
+# version-3 record costs a fixed amount of reading (its table entry, CRC, codec byte, a
+# decoder call, numpy calls: about 10-50 us) whatever its size, so a grid of one token x one
+# layer (17-33 bytes a section) read at 1.2-5 s of CPU per MiB. A record's payload must hold
+# at least SECTION_FLOOR bytes per routing section beyond its first (checked from the head,
+# before any section is read; one-section records are exempt): about 1 s per MiB at the
+# floor. The writer doubles a record's token block (then its layer group) until it fits;
+# default geometry (512-row sections of hundreds of bytes or more) is far above it.
+SECTION_FLOOR = 96
+# NOTE: streams of earlier writers (before these floors) given tiny grids, and their ctx-ans
+# records of a few rows, hold sections below them: readable with floors=False (trusted
+# streams), so that nothing written before is lost
+LEGACY_HINT = ("; a stream of an earlier writer (before the reader floors: tiny grids, "
+               "ctx-ans records of a few rows) reads with SidecarReader(..., floors=False) or "
+               "`routereplay convert --from sidecar --no-floors` (trusted streams only: its "
+               "CPU per MiB is then unbounded)")
 
 # version-3 meta flags (docs/FORMAT.md "Version 3 meta")
 F_GRID, F_START, F_PROMPT_LEN, F_TOKEN_IDS, F_LOGPROBS = 1, 2, 4, 8, 16
@@ -101,6 +117,31 @@ def record_fits(schema: RoutingSchema, decoded: int, payload_len: int) -> bool:
     """Whether a version-3 record of ``payload_len`` bytes that decodes to ``decoded``
     bytes is within the reader's record-level expansion limit (:data:`RECORD_EXPANSION`)."""
     return decoded <= 2 * RECORD_EXPANSION * payload_len
+
+
+def grid_fits(n_routing: int, payload_len: int) -> bool:
+    """Whether a version-3 record of ``n_routing`` routing sections and a payload of
+    ``payload_len`` bytes is at or above the reader's floor (:data:`SECTION_FLOOR` bytes a
+    routing section beyond the first)."""
+    return payload_len >= SECTION_FLOOR * (n_routing - 1)
+
+
+def section_floor(codec: str, shape: tuple[int, int, int], num_experts: int) -> int:
+    """The reader's floor for a routing section of ``codec`` holding ids ``shape``
+    [T, L_g, K] (bytes of its data; 0 for codecs without one here): ``ctx-ans`` and
+    ``ctx-ans-sorted``: routereplay.codec.ctx_ans.least_bytes. (``xl-ans`` and
+    ``xl-ans-rows`` check theirs when decoding, before their model is resolved.)"""
+    if codec in ("ctx-ans", "ctx-ans-sorted"):
+        return _codec.ctx_ans.least_bytes(shape[0], shape[1], num_experts)
+    return 0
+
+
+def routing_fits(codec: str, part: np.ndarray, num_experts: int, stored: int) -> bool:
+    """Whether a routing section of ``codec`` holding ``part`` [T, L_g, K] in ``stored``
+    bytes is within the reader's limits: its expansion limit (:func:`section_fits`) and
+    its codec's floor (:func:`section_floor`)."""
+    return section_fits(codec, part.nbytes, stored) and \
+        stored >= section_floor(codec, part.shape, num_experts)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -278,12 +319,14 @@ def check_counts(t: int, start: int, prompt_len: int | None, n: int | None,
 class RecordPayload(bytes):
     """A record payload; ``head_len`` is the number of leading bytes the frame header's
     CRC covers (version 3: the head), None for version 1-2 (the whole payload).
+    ``geometry`` (version 3): (token block B, layer group G, routing sections) as written.
     ``floor_margin`` (``xl-ans`` writers): the words of the record's ``xl-ans`` and
     ``xl-ans-rows`` sections over the reader's floors for them (summed over those
     sections: a short last token block does not decide), None where it has none."""
 
     head_len: int | None = None
     floor_margin: float | None = None
+    geometry: tuple[int, int, int] = (0, 0, 1)
 
 
 def encode_record_payload(record: RoutingRecord, schema: RoutingSchema,
@@ -324,9 +367,57 @@ def encode_record_payload(record: RoutingRecord, schema: RoutingSchema,
     if codec is None:
         codec = _codec.DEFAULT_CODEC if version >= 3 else _codec.V2_DEFAULT_CODEC
     if version < 3:
-        from routereplay.sidecar.payload_v2 import encode_payload_v2
-        return RecordPayload(encode_payload_v2(record, schema, codec,
-                                               layer_group or V2_LAYER_GROUP, column_order))
+        return _encode_v2(record, schema, codec, layer_group or V2_LAYER_GROUP, column_order)
+    b_rows, g_layers = token_block, min(layer_group or DEFAULT_LAYER_GROUP, schema.num_moe_layers)
+    if codec in ("ctx-ans", "ctx-ans-sorted"):
+        # NOTE: sections under ctx-ans's floor are stored as ctx-zstd: longer token blocks
+        # (as for repetitive routing) keep more of them ctx-ans
+        min_section_bytes = max(min_section_bytes, _codec.ctx_ans.least_bytes(
+            token_block, g_layers, schema.num_experts))
+    while True:
+        out = _encode_v3(record, schema, codec, g_layers, column_order, token_block=b_rows,
+                         one_section_bytes=one_section_bytes,
+                         min_section_bytes=min_section_bytes, codecs=codecs, model=model)
+        grid_b, grid_g, n_routing = out.geometry
+        if grid_fits(n_routing, len(out)):
+            return out
+        # NOTE: tiny sections (a small token_block and layer_group, or min_section_bytes=0)
+        # fall under the reader's SECTION_FLOOR: longer token blocks, then wider layer
+        # groups, until the record fits (one section always does)
+        t = record.expert_ids.shape[0]
+        if grid_b < t:
+            b_rows = min(2 * grid_b, MAX_TOKENS)
+        else:
+            b_rows, g_layers = max(t, 1), min(2 * grid_g, schema.num_moe_layers)
+        min_section_bytes = 0          # NOTE: the block is now set here, not by the trial
+
+
+def _encode_v2(record: RoutingRecord, schema: RoutingSchema, codec: str, layer_group: int,
+               column_order: str) -> "RecordPayload":
+    """A version-2 payload (routereplay.sidecar.payload_v2); for ``ctx-ans`` codecs, the
+    whole record in ``ctx-zstd`` where a ctx-ans section would fall under the reader's
+    floor (:func:`section_floor`; version-2 sections span every row, so only short
+    records)."""
+    from routereplay.sidecar.payload_v2 import encode_payload_v2
+    out = encode_payload_v2(record, schema, codec, layer_group, column_order)
+    if codec in ("ctx-ans", "ctx-ans-sorted"):
+        import json
+        (mlen,) = _U32.unpack(out[:4])
+        t = record.expert_ids.shape[0]
+        for sec in json.loads(out[4:4 + mlen])["sections"]:
+            if sec[0] == "routing" and sec[1] == codec and sec[2] < section_floor(
+                    codec, (t, sec[4] - sec[3], schema.top_k), schema.num_experts):
+                out = encode_payload_v2(record, schema, "ctx-zstd", layer_group, column_order)
+                break
+    return RecordPayload(out)
+
+
+def _encode_v3(record: RoutingRecord, schema: RoutingSchema, codec: str, layer_group: int,
+               column_order: str, *, token_block: int, one_section_bytes: int,
+               min_section_bytes: int, codecs: tuple[str, ...] | None,
+               model: tuple[int, Any] | None) -> "RecordPayload":
+    """:func:`encode_record_payload` for version 3 at one geometry request; the payload's
+    ``geometry`` is (B, G, routing sections) as written."""
     codecs = tuple(codecs) if codecs is not None else codec_table(codec)
     cid = {c: i for i, c in enumerate(codecs)}
     ids = np.sort(record.expert_ids, axis=-1) if column_order == "sorted" else record.expert_ids
@@ -343,7 +434,7 @@ def encode_record_payload(record: RoutingRecord, schema: RoutingSchema,
     for i, blob in enumerate(blobs):
         g, b = divmod(i, nb)
         part = ids[b * b_rows:(b + 1) * b_rows, g * g_layers:(g + 1) * g_layers]
-        sec = (base, blob, part.nbytes) if section_fits(base, part.nbytes, len(blob)) \
+        sec = (base, blob, part.nbytes) if routing_fits(base, part, schema.num_experts, len(blob)) \
             else _encode_routing(part, base, schema.num_experts)
         if codec == "xl-ans" and model is not None:
             sec = _xl_ans_section(part, g * g_layers, schema, model, sec, rows)
@@ -376,6 +467,7 @@ def encode_record_payload(record: RoutingRecord, schema: RoutingSchema,
         raise RecordError(f"sample {str(record.sample_id)[:80]!r}: record body of {body} "
                           "bytes exceeds the format's 4 GiB")
     out = assemble(meta, [(cid[c], d) for c, d, _ in secs])
+    out.geometry = (b_rows, g_layers, ng * nb)
     if model is not None:
         ref = len(varint(model[0]))
         xl = [(len(d) - ref, _codec.xl_ans_rows.least_bytes(g) if c == "xl-ans-rows"
@@ -461,10 +553,11 @@ def grid_sections(ids: np.ndarray, codec: str, num_experts: int,
 
 def _encode_routing(part: np.ndarray, codec: str, num_experts: int) -> tuple[str, bytes, int]:
     """One routing section ids [rows, layers, K] -> (codec, data, decoded bytes), falling
-    back (FALLBACK) where ``codec`` would exceed the reader's expansion limit."""
+    back (FALLBACK) where ``codec`` would exceed the reader's expansion limit or fall
+    under its floor (:func:`routing_fits`)."""
     for c in (codec,) + tuple(f for f in FALLBACK if f != codec):
         blob = _codec.encode(part, c, num_experts)
-        if section_fits(c, part.nbytes, len(blob)):
+        if routing_fits(c, part, num_experts, len(blob)):
             break
     return c, blob, part.nbytes
 
@@ -593,13 +686,14 @@ class _Cursor:
 
 
 def decode_head(head: bytes | memoryview, schema: RoutingSchema, payload_len: int,
-                offset: int | None = None) -> RecordMeta:
+                offset: int | None = None, *, floors: bool = True) -> RecordMeta:
     """A version-3 record's head (the H bytes :func:`head_length` gives; its CRC already
     checked) -> validated meta with its :class:`Grid`.
 
     Checks the writer's rules on counts, the geometry, that the section table and S
-    sections of at least 5 bytes fit the payload, and the record-level expansion limit,
-    all before anything else is read.
+    sections of at least 5 bytes fit the payload, the section floor (``floors``:
+    :data:`SECTION_FLOOR`; False only for trusted streams of earlier writers) and the
+    record-level expansion limit, all before anything else is read.
 
     Raises:
         SidecarError: naming the offset (and the sample id when the meta gives one).
@@ -652,6 +746,11 @@ def decode_head(head: bytes | memoryview, schema: RoutingSchema, payload_len: in
         if len(head) + grid.table_len + SECTION_OVERHEAD * s > payload_len:
             raise MetaError(f"{s} sections (token_block {b_rows}, layer_group {g_layers}) do "
                             f"not fit a payload of {payload_len} bytes")
+        if floors and not grid_fits(grid.n_routing, payload_len):
+            raise MetaError(f"{grid.n_routing} routing sections (token_block {b_rows}, "
+                            f"layer_group {g_layers}) in a payload of {payload_len} bytes: "
+                            f"below the reader's floor of {SECTION_FLOOR} bytes a section "
+                            f"beyond the first{LEGACY_HINT}")
         decoded = t * nl * schema.top_k * schema.id_dtype.itemsize + 4 * sum(n for _, n in arrays)
         if not record_fits(schema, decoded, payload_len):
             raise MetaError(f"record declares {decoded} decoded bytes from a payload of "
@@ -704,14 +803,15 @@ def _xl_ans_section(part: np.ndarray, l0: int, schema: RoutingSchema,
 
 
 def open_section(grid: Grid, i: int, raw: memoryview, codecs: tuple[str, ...],
-                 schema: RoutingSchema) -> tuple[str, memoryview]:
+                 schema: RoutingSchema, *, floors: bool = True) -> tuple[str, memoryview]:
     """Check section ``i`` (its stored bytes ``raw``) -> (codec name, data): its CRC, its
-    codec byte and its codec's expansion limit for the shape it holds.
+    codec byte, its codec's expansion limit for the shape it holds and (``floors``) its
+    codec's floor (:func:`section_floor`).
 
     Raises:
         SidecarError: a CRC mismatch, a codec byte outside the header's table, an array
-            codec other than zstd/raw, or a section beyond the expansion limit (naming the
-            section).
+            codec other than zstd/raw, or a section beyond the expansion limit or under its
+            floor (naming the section).
     """
     if len(raw) < SECTION_OVERHEAD:
         raise SidecarError(f"{grid.describe(i)} is shorter than its checksum and codec byte")
@@ -737,6 +837,11 @@ def open_section(grid: Grid, i: int, raw: memoryview, codecs: tuple[str, ...],
         raise SidecarError(f"{grid.describe(i)} ({codec}) declares {decoded} bytes from {len(data)} "
                            f"stored bytes: beyond the reader's limit of {EXPANSION[codec]} x "
                            f"+ min({EXPANSION_SLACK}, {EXPANSION[codec]} x) bytes")
+    if floors and i < grid.n_routing:
+        least = section_floor(codec, (r1 - r0, l1 - l0, schema.top_k), schema.num_experts)
+        if len(data) < least:
+            raise SidecarError(f"{grid.describe(i)} ({codec}) of {len(data)} bytes is below the "
+                               f"reader's floor of {least} bytes for its shape{LEGACY_HINT}")
     return codec, data
 
 
@@ -756,11 +861,27 @@ def decode_array(blob: bytes | memoryview, name: str, codec: str, count: int) ->
 
 
 def decode_record_payload(payload: bytes | memoryview, schema: RoutingSchema, version: int,
-                          offset: int | None = None) -> tuple[RecordMeta, memoryview]:
+                          offset: int | None = None, *, floors: bool = True
+                          ) -> tuple[RecordMeta, memoryview]:
     """Split a version-1/2 record payload into validated meta and the body
-    (routereplay.sidecar.payload_v2; version-3 heads: :func:`decode_head`)."""
+    (routereplay.sidecar.payload_v2; version-3 heads: :func:`decode_head`), its routing
+    sections checked against their codec's floor (:func:`section_floor`).
+
+    Raises:
+        SidecarError: naming the offset (and the sample id), a section under its floor by
+            its MoE layers."""
     from routereplay.sidecar.payload_v2 import decode_payload_v2
-    return decode_payload_v2(payload, schema, version, offset)
+    meta, body = decode_payload_v2(payload, schema, version, offset)
+    for sec in meta.sections if floors else ():
+        if sec.name == "routing" and sec.length < section_floor(sec.codec, sec.shape,
+                                                                 schema.num_experts):
+            raise SidecarError(f"invalid record meta for sample {meta.sample_id!r}: routing "
+                               f"section of MoE layers {list(sec.moe_layers)} ({sec.codec}) "
+                               f"of {sec.length} bytes is below the reader's floor of "
+                               f"{section_floor(sec.codec, sec.shape, schema.num_experts)} "
+                               f"bytes for its shape{LEGACY_HINT}", offset=offset,
+                               sample_id=meta.sample_id)
+    return meta, body
 
 
 def peek_sample_id(payload: bytes | memoryview, version: int = 2) -> str | None:

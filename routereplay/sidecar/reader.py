@@ -159,6 +159,35 @@ def valid_frame_headers(chunk: bytes) -> np.ndarray:
     return cand[crc == stored]
 
 
+def check_spans(meta: RecordMeta, offset: int | None = None) -> RecordMeta:
+    """Refuse a meta read from a frame whose spans :meth:`RoutingRecord.validate` refuses:
+    every weight-version, ``recomputed`` and ``prefix_cached`` span ``[a, b)`` must have
+    ``0 <= a <= b <= start + T + 1``, token positions of the sequence the record's rows
+    imply. Returns ``meta``.
+
+    NOTE: the meta decoders already check each span's order and every count validate()
+    checks (payload.check_counts); this is the one bound of validate() they leave out, so a
+    record the writer would refuse is never returned (docs/FORMAT.md "Version 3 meta").
+    Work: O(spans), within the meta's size.
+
+    Raises:
+        SidecarError: naming the sample, the span and the record's extent.
+    """
+    seq = meta.start + meta.num_tokens + 1
+    named = [(f" of version {s.version[:40]!r}", "weight-version", s.start, s.end)
+             for s in meta.weight_versions]
+    named += [("", "recomputed", a, b) for a, b in meta.recomputed]
+    named += [("", "prefix_cached", a, b) for a, b in meta.prefix_cached]
+    for version, what, a, b in named:
+        if not 0 <= a <= b <= seq:
+            raise SidecarError(
+                f"invalid record meta for sample {meta.sample_id!r}: {what} span [{a}, {b})"
+                f"{version} runs beyond the record's {seq}-token sequence (start "
+                f"{meta.start}, {meta.num_tokens} rows: spans lie within [0, {seq}]; "
+                "writers refuse it)", offset=offset, sample_id=meta.sample_id)
+    return meta
+
+
 def _serialized(fn):
     """A SidecarReader method run under the reader's lock (one seek-and-read file position,
     scan state and caches shared by every caller)."""
@@ -175,6 +204,10 @@ class SidecarReader:
     Args:
         source: a local path (a regular file), an fsspec URL (opened without a read-ahead
             cache: one ranged request per read), bytes, or a seekable binary file object.
+        floors: enforce the section floors of docs/FORMAT.md "Reader limits" (default),
+            which bound a read's CPU per stored byte. False reads streams of earlier
+            writers whose tiny grids or short ``ctx-ans`` records sit below them; only for
+            streams you trust (their CPU per MiB is then unbounded).
 
     Attributes:
         name: the path or URL read ("<bytes>" / "<stream>" otherwise), for messages.
@@ -201,8 +234,9 @@ class SidecarReader:
             format version, corrupt header (the message names the stream).
     """
 
-    def __init__(self, source: str | os.PathLike | bytes | BinaryIO):
+    def __init__(self, source: str | os.PathLike | bytes | BinaryIO, *, floors: bool = True):
         self._lock = threading.RLock()
+        self._floors = bool(floors)
         self._own = True
         self._path: str | None = None
         self._ident: tuple[int, int] | None = None
@@ -219,7 +253,10 @@ class SidecarReader:
                 # NOTE: opening a FIFO blocks until a writer appears; a reader needs to seek
                 raise SidecarError(f"{self.name}: not a regular file (a sidecar reader needs a "
                                    "seekable file, not a FIFO, device or folder)")
-            self._f = open(self._path, "rb")
+            try:
+                self._f = open(self._path, "rb")
+            except OSError as e:         # NOTE: e.g. EMFILE: too many open files
+                raise SidecarError(f"{self.name}: cannot open: {e.strerror or e}") from None
             fst = os.fstat(self._f.fileno())
             self._ident = (fst.st_dev, fst.st_ino)
         elif isinstance(source, (str, os.PathLike)):
@@ -300,6 +337,12 @@ class SidecarReader:
             out.append(self._torn_msg)
         return out
 
+    @property
+    def num_corrupt(self) -> int:
+        """Corrupt frames the scans found so far: all of them, where :attr:`errors` lists
+        the first :data:`MAX_REPORTED` and then a count."""
+        return self._num_corrupt
+
     def _error(self, msg: str) -> None:
         self._num_errors += 1
         if len(self._errors) < MAX_REPORTED:
@@ -357,7 +400,9 @@ class SidecarReader:
     def model_frames(self) -> dict[int, int]:
         """``xl-ans`` model frames found by :meth:`scan` so far: frame offset -> its size in
         bytes (frame header included). Empty until :meth:`scan` has run (reads through the index
-        do not scan; ``inspect`` does). Routing data shared by the records after it; a
+        do not scan, unless a model frame they name is not reached by walking the frame
+        headers from the records the index lists: :meth:`_check_model_frame`; ``inspect``
+        scans). Routing data shared by the records after it; a
         corrupt one is reported in :attr:`errors` and makes the sections that name it
         unreadable."""
         return dict(self._model_frames)
@@ -405,9 +450,11 @@ class SidecarReader:
 
         Raises:
             SidecarError: ``off`` outside the frame area or not before ``before``, a stream
-                before version 3, more than MAX_STREAM_MODELS model frames named, not a model
-                frame (kind 3), a payload beyond the reader's limit for the stream's model
-                shape, a checksum mismatch, or a payload that does not parse
+                before version 3, more than MAX_STREAM_MODELS model frames named, not a
+                model frame (kind 3), not a model frame of the stream's frame sequence
+                (:meth:`_check_model_frame`: nested in another frame's bytes, or running
+                into the record), a payload beyond the reader's limit for the stream's
+                model shape, a checksum mismatch, or a payload that does not parse
                 (routereplay.codec.xl_ans).
         """
         m = self._models.get(off)
@@ -439,6 +486,7 @@ class SidecarReader:
         if fh.kind != KIND_MODEL:
             raise SidecarError(f"frame at offset {off} is not an xl-ans model frame (kind "
                                f"{fh.kind})", offset=off)
+        self._check_model_frame(off, fh.end, end if before is None else before)
         lo, hi = xl_ans.payload_limits(s.num_moe_layers, s.num_experts, s.top_k)
         if not lo <= fh.payload_len <= hi:
             raise SidecarError(f"xl-ans model frame at offset {off} holds {fh.payload_len} "
@@ -455,6 +503,52 @@ class SidecarReader:
             raise err from None
         self._models[off] = m
         return m
+
+    def _check_model_frame(self, off: int, frame_end: int, end: int) -> None:
+        """Refuse a model frame offset that is not the start of a frame a scan walks to, or
+        whose frame (its header says it ends at ``frame_end``) runs past ``end`` (the record
+        naming it, or the frame area's end).
+
+        NOTE: the rule (docs/FORMAT.md "xl-ans"): a model frame is one a scan finds (frame
+        after frame from the header, resynchronising past corrupt headers), so a frame
+        nested in another frame's bytes, which no scan sees (nor ``inspect``, nor a check of
+        its bytes), never serves a record. Index frames do not list model frames: a read
+        through the index walks the frame headers from the nearest frame start it knows
+        before ``off`` (a record the index lists, a model frame already checked, the
+        header's end): a stream's writer puts a model frame right after a record, so one
+        read of 24 bytes. Where that walk does not land on ``off`` (a corrupt header on the
+        way, a frame there that covers ``off``) or the frame runs into the next one the
+        index lists, the reader scans and the scan decides. Work: one set lookup after a
+        scan; else the frame headers between (a scan at worst, once).
+
+        Raises:
+            SidecarError: naming the offset (the caller names the sample).
+        """
+        if off not in self._model_frames and self._frames is None and self._index is not None:
+            j = bisect.bisect_right(self._offsets, off)
+            pos = max([self._data_start, *self._offsets[j - 1:j]]
+                      + [o for o, m in self._models.items()
+                         if o <= off and not isinstance(m, SidecarError)])
+            bound = min(end, self._offsets[j] if j < len(self._offsets) else end)
+            try:
+                while pos < off:
+                    pos = parse_frame_header(self._read(pos, FRAME_HEADER_SIZE), pos,
+                                             self.size).end
+                if pos == off and frame_end <= bound:
+                    return
+            except SidecarError:
+                pass
+        if off not in self._model_frames:
+            self.scan()
+        size = self._model_frames.get(off)
+        if size is None:
+            raise SidecarError(f"xl-ans model offset {off} is not the start of a model frame "
+                               "of the stream (no scan finds a frame there: it lies inside "
+                               "another frame's bytes, or in corrupt bytes)", offset=off)
+        if off + size > end:
+            raise SidecarError(f"xl-ans model frame at offset {off} runs past the record naming "
+                               f"it (it ends at offset {off + size}, the record starts at "
+                               f"{end})", offset=off)
 
     # -- scanning
     @_serialized
@@ -547,7 +641,9 @@ class SidecarReader:
             else:
                 if crc32(payload) != fh.payload_crc:
                     raise SidecarError("payload checksum mismatch", offset=off)
-                meta = decode_record_payload(payload, self.schema, self.version, off)[0]
+                meta = decode_record_payload(payload, self.schema, self.version, off,
+                                             floors=self._floors)[0]
+            check_spans(meta, off)
         except SidecarError as e:
             fi.error = str(e)
             fi.sample_id = e.sample_id or peek_sample_id(payload, self.version)
@@ -586,7 +682,7 @@ class SidecarReader:
         h = head_length(payload[:10], fh.payload_len)
         if crc32(payload[:h]) != fh.payload_crc:
             raise SidecarError("record head checksum mismatch", offset=off)
-        meta = decode_head(payload[:h], self.schema, fh.payload_len, off)
+        meta = decode_head(payload[:h], self.schema, fh.payload_len, off, floors=self._floors)
         grid = meta.grid
         assert grid is not None
         try:
@@ -595,7 +691,7 @@ class SidecarReader:
             body = payload[h + grid.table_len:]
             for i in range(grid.n_sections):
                 open_section(grid, i, body[int(ends[i]):int(ends[i + 1])], self._codecs,
-                             self.schema)
+                             self.schema, floors=self._floors)
         except SidecarError as e:
             raise SidecarError(f"sample {meta.sample_id!r}: {e}", offset=off,
                                sample_id=meta.sample_id) from None
@@ -968,8 +1064,9 @@ class SidecarReader:
                 fh, payload = self._read_frame(off)
                 if fh.kind != KIND_RECORD:
                     raise SidecarError(f"frame at offset {off} is not a record frame", offset=off)
-                got = decode_record_payload(payload, self.schema, self.version, off)
-                meta = got[0]
+                got = decode_record_payload(payload, self.schema, self.version, off,
+                                            floors=self._floors)
+                meta = check_spans(got[0], off)
             if meta.sample_id != sample_id:
                 raise SidecarError(f"frame at offset {off} holds sample {meta.sample_id!r}",
                                    offset=off)
@@ -1042,7 +1139,8 @@ class SidecarReader:
         if len(head) != hl or crc32(head) != fh.payload_crc:
             raise SidecarError(f"corrupt frame at offset {off}: record head checksum mismatch",
                                offset=off, sample_id=peek_sample_id(head, 3))
-        meta = decode_head(head, self.schema, fh.payload_len, off)
+        meta = check_spans(decode_head(head, self.schema, fh.payload_len, off,
+                                       floors=self._floors), off)
         h = self._heads[off] = _Head(off, meta, fh.payload_len, prefix)
         return h
 
@@ -1104,7 +1202,7 @@ class SidecarReader:
             for i in needed[j:e + 1]:
                 a, b = bounds[i]
                 codec, data = open_section(grid, i, buf[a - a0:b - a0], self._codecs,
-                                           self.schema)
+                                           self.schema, floors=self._floors)
                 sink(i, codec, data)
             j = e + 1
 

@@ -9,6 +9,7 @@ import io
 import json
 import os
 import secrets
+import stat
 import queue
 import threading
 from typing import Any, BinaryIO, Iterable, Sequence
@@ -17,7 +18,7 @@ import numpy as np
 
 from routereplay import codec as _codec
 from routereplay.codec import xl_ans
-from routereplay.errors import ConfigError, RecordError, SidecarError
+from routereplay.errors import ConfigError, RecordError, SidecarError, StreamExistsError
 from routereplay.record import RoutingRecord
 from routereplay.schema import RoutingSchema
 from routereplay.sidecar.layout import (COLUMN_ORDERS, DEFAULT_LAYER_GROUP,
@@ -218,6 +219,18 @@ class SidecarWriter:
         dest: a local path, an fsspec URL (``"memory://x"``, ``"s3://..."``), a writable
             binary file object, or None for an in-memory stream (read it with
             :meth:`getvalue` after :meth:`close`, e.g. to put it in a Ray object store).
+            A path or URL must not exist yet: the writer creates it exclusively (local
+            paths with ``O_CREAT | O_EXCL``, atomic also across hosts on one NFS folder;
+            fsspec URLs by an existence check, which is not atomic), so that a second
+            writer, or a restarted process that reuses a name, can never truncate a stream
+            holding acknowledged records (docs/FORMAT.md "Stream lifecycle").
+        replace: replace an existing stream at ``dest`` on purpose (a path or URL). Local
+            paths: the new stream is written to a new sibling ``<dest>.<random>.partial``
+            and renamed over ``dest`` by :meth:`close` (atomic: readers of ``dest`` see the
+            old stream until then; a writer killed before close leaves ``dest`` as it was
+            and its records in the ``.partial`` file, which readers recover as a torn
+            stream). An existing ``dest`` that is not a regular file (a folder, FIFO,
+            device, socket) is refused even then. URLs: written over in place.
         schema: routing schema of every record.
         token_block, layer_group: the version-3 section grid: routing sections of
             ``token_block`` rows (B, default 512) x ``layer_group`` MoE layers (G, default
@@ -296,6 +309,8 @@ class SidecarWriter:
             layer group, one_section_bytes or max_queue; ``xl-ans`` for more than 64
             experts or format 2; an ``xl_ans_seed`` without ``codec="xl-ans"`` or not of
             the schema's shape (checked before ``dest`` is opened).
+        StreamExistsError: ``dest`` exists (without ``replace``; also a ``FileExistsError``),
+            or is not a regular file (with ``replace``). Nothing at ``dest`` is touched.
     """
 
     def __init__(self, dest: str | os.PathLike | BinaryIO | None, schema: RoutingSchema, *,
@@ -306,7 +321,7 @@ class SidecarWriter:
                  one_section_bytes: int = DEFAULT_ONE_SECTION_BYTES,
                  min_section_bytes: int = DEFAULT_MIN_SECTION_BYTES,
                  format_version: int = FORMAT_VERSION,
-                 xl_ans_seed: "xl_ans.XlModel | None" = None):
+                 xl_ans_seed: "xl_ans.XlModel | None" = None, replace: bool = False):
         if not isinstance(schema, RoutingSchema):
             raise ConfigError(f"schema must be a RoutingSchema, got {type(schema).__name__}")
         if dest is not None and not isinstance(dest, (str, os.PathLike)) \
@@ -361,13 +376,22 @@ class SidecarWriter:
             _check_seed(xl_ans_seed, codec, schema)     # NOTE: before dest is opened
         self._owns_file = True
         self._fsspec_file = None
+        self._partial: tuple[str, str] | None = None       # (partial path, dest): replace=True
         if dest is None:
             self._f: BinaryIO = io.BytesIO()
         elif isinstance(dest, (str, os.PathLike)) and "://" not in os.fspath(dest):
-            self._f = open(dest, "wb")
+            self._f = self._create(os.fspath(dest), replace)
         elif isinstance(dest, (str, os.PathLike)):
             import fsspec  # lazy: only for URLs
-            self._fsspec_file = fsspec.open(os.fspath(dest), "wb")
+            url = os.fspath(dest)
+            fs, fs_path = fsspec.core.url_to_fs(url)
+            # NOTE: object stores have no exclusive create that fsspec exposes everywhere:
+            # the check and the open are two calls (docs/FORMAT.md "Stream lifecycle")
+            if not replace and fs.exists(fs_path):
+                raise StreamExistsError(f"sidecar destination {url} exists: a writer never "
+                                        "overwrites a stream (write a new name, or pass "
+                                        "replace=True to replace it on purpose)", path=url)
+            self._fsspec_file = fsspec.open(url, "wb")
             self._f = self._fsspec_file.open()
         else:
             self._f, self._owns_file = dest, False
@@ -405,6 +429,30 @@ class SidecarWriter:
             self._thread = threading.Thread(target=self._run, name="routereplay-sidecar-writer",
                                             daemon=True)
             self._thread.start()
+
+    def _create(self, path: str, replace: bool) -> BinaryIO:
+        """Open a new local file for the stream: ``path`` itself, created exclusively, or
+        (``replace``) a new ``.partial`` sibling that :meth:`close` renames over it."""
+        if replace:
+            try:
+                st = os.stat(path)
+            except FileNotFoundError:
+                st = None
+            if st is not None and not stat.S_ISREG(st.st_mode):
+                raise StreamExistsError(f"sidecar destination {path} exists and is not a "
+                                        "regular file: a writer never replaces it, even with "
+                                        "replace=True", path=path)
+            partial = f"{path}.{secrets.token_hex(6)}.partial"
+            f = open(partial, "xb")
+            self._partial = (partial, path)
+            return f
+        try:
+            return open(path, "xb")
+        except FileExistsError:
+            raise StreamExistsError(
+                f"sidecar destination {path} exists: a writer never overwrites a stream "
+                "(another writer's, or an earlier run's); write a new name, or pass "
+                "replace=True to replace it on purpose", path=path) from None
 
     # -- public
     def write(self, record: RoutingRecord, *, wait: bool = False) -> None:
@@ -475,6 +523,13 @@ class SidecarWriter:
                 self._f.close()
                 if self._fsspec_file is not None:
                     self._fsspec_file.close()
+        if self._partial is not None and self._error is None:
+            # NOTE: only a closed (indexed) stream replaces the old one, in one rename; after
+            # a background error the old stream stays and the new one keeps its .partial name
+            partial, path = self._partial
+            os.replace(partial, path)
+            if self._fsync != "never":
+                _fsync_dir(os.path.dirname(os.path.abspath(path)))
         self._raise_bg()
 
     def getvalue(self) -> bytes:
@@ -753,6 +808,20 @@ class SidecarWriter:
                 if done is not None:
                     done.set()
                 self._q.task_done()
+
+
+def _fsync_dir(path: str) -> None:
+    """fsync a folder (a rename in it durable); a no-op where folders cannot be opened."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
 
 
 def write_records(dest: str | os.PathLike | BinaryIO | None, schema: RoutingSchema,

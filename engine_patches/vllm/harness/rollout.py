@@ -103,7 +103,8 @@ def rollout(llm, prompts: list[str], sidecar: str, *, max_tokens: int = 48, seed
     gen_s = time.perf_counter() - t0
     vllm_b = sglang_b = rows = 0
     versions: list[str] = []
-    with SidecarWriter(sidecar, schema, codec=codec,
+    # NOTE: replace=True: the demo reruns into its --workdir and replaces its own stream
+    with SidecarWriter(sidecar, schema, codec=codec, replace=True,
                        extra_header={"engine": f"vllm {VLLM_VERSION}"}) as w:
         for i, o in enumerate(outs):
             rec = record_from_output(o, schema, sample_id=f"{sample_prefix}{i}",

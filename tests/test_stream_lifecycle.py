@@ -1,0 +1,221 @@
+"""Stream lifecycle across processes: a writer never destroys an existing stream.
+
+A second writer on a path that holds a stream, a new writer on a closed stream, and a
+restarted vLLM front end whose pid repeats (a container's entrypoint gives the API server
+pid 1 on every start: run here in fresh pid namespaces with ``unshare``) must leave every
+acknowledged record readable (issue 27 items 1-2; DESIGN.md failure kind 23)."""
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+import pytest
+
+from routereplay import RoutingRecord, RoutingSchema, SidecarReader, SidecarWriter
+from routereplay.errors import StreamExistsError
+from tests.conftest import REPO
+
+SCHEMA = RoutingSchema(4, (0, 1, 2, 3), 2, 8)
+
+# A writer process: writes N records "<tag>-<i>" to PATH (flushing), says "flushed", then
+# waits for a line on stdin before closing (or is killed).
+WRITER = textwrap.dedent("""
+    import sys
+    import numpy as np
+    from routereplay import RoutingRecord, RoutingSchema, SidecarWriter
+    path, tag, n, replace = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4] == "1"
+    w = SidecarWriter(path, RoutingSchema(4, (0, 1, 2, 3), 2, 8), replace=replace)
+    for i in range(n):
+        ids = np.zeros((5, 4, 2), np.uint8)
+        ids[..., 1] = 1 + i % 7
+        w.write(RoutingRecord(f"{tag}-{i}", ids))
+    w.flush()
+    print("flushed", flush=True)
+    sys.stdin.readline()
+    w.close()
+    print("closed", flush=True)
+""")
+
+
+def _start(path, tag, n, replace=False):
+    p = subprocess.Popen([sys.executable, "-c", WRITER, str(path), tag, str(n),
+                          "1" if replace else "0"], cwd=REPO, stdin=subprocess.PIPE,
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    return p
+
+
+def _wait_flushed(p):
+    line = p.stdout.readline()
+    if line.strip() != "flushed":
+        p.kill()
+        raise AssertionError(f"writer did not start: {line!r} {p.stderr.read()[-2000:]}")
+
+
+def _finish(p, timeout=30):
+    out, err = p.communicate("\n", timeout=timeout)
+    return p.returncode, out, err
+
+
+def test_a_second_writer_process_never_truncates_a_live_or_closed_stream(tmp_path):
+    """Writer A holds 60 flushed records; writer B (another process) opens the same path:
+    B is refused with StreamExistsError and A's stream stays whole, live and after close;
+    a third writer on the closed stream is refused too. Before: B truncated the path and
+    the reader reported a complete stream holding only B's records."""
+    path = tmp_path / "step.rrsc"
+    a = _start(path, "a", 60)
+    _wait_flushed(a)
+    size = path.stat().st_size
+    b = _start(path, "b", 60)
+    rc_b, _, err_b = _finish(b)
+    assert rc_b == 1 and "StreamExistsError" in err_b and "exists" in err_b, err_b
+    assert path.stat().st_size == size                 # not truncated while A is live
+    rc_a, out_a, err_a = _finish(a)
+    assert rc_a == 0 and "closed" in out_a, err_a
+    c = _start(path, "c", 1)
+    rc_c, _, err_c = _finish(c)
+    assert rc_c == 1 and "StreamExistsError" in err_c, err_c
+    r = SidecarReader(str(path))
+    assert r.complete and not r.errors
+    assert r.sample_ids() == [f"a-{i}" for i in range(60)]
+    assert int(r.read("a-59").expert_ids[0, 0, 1]) == 1 + 59 % 7
+
+
+def test_in_process_writer_refuses_any_existing_path_and_touches_nothing(tmp_path):
+    old = tmp_path / "old.rrsc"
+    with SidecarWriter(str(old), SCHEMA) as w:
+        w.write(RoutingRecord("keep", np.array([[[0, 1]] * 4] * 3, np.uint8)))
+    before = old.read_bytes()
+    with pytest.raises(StreamExistsError, match="exists: a writer never overwrites") as e:
+        SidecarWriter(str(old), SCHEMA)
+    assert isinstance(e.value, FileExistsError) and e.value.path == str(old)
+    assert old.read_bytes() == before
+    other = tmp_path / "notes.txt"                     # any file, not only streams
+    other.write_text("x")
+    with pytest.raises(StreamExistsError):
+        SidecarWriter(str(other), SCHEMA)
+    assert other.read_text() == "x"
+    with pytest.raises(StreamExistsError):             # fsspec URLs: checked before opening
+        import fsspec
+        with fsspec.open("memory://lifecycle/x.rrsc", "wb") as f:
+            f.write(before)
+        SidecarWriter("memory://lifecycle/x.rrsc", SCHEMA)
+    with fsspec.open("memory://lifecycle/x.rrsc", "rb") as f:
+        assert f.read() == before
+
+
+def test_replace_is_explicit_atomic_and_loses_nothing_when_killed(tmp_path):
+    """replace=True writes a .partial sibling and renames it over the old stream on close:
+    readers see the old stream until then; a replacing writer killed before close leaves
+    the old stream as it was and its own records recoverable in the .partial file."""
+    path = tmp_path / "step.rrsc"
+    with SidecarWriter(str(path), SCHEMA) as w:
+        w.write(RoutingRecord("old", np.array([[[0, 1]] * 4] * 3, np.uint8)))
+    old = path.read_bytes()
+    killed = _start(path, "new", 5, replace=True)
+    _wait_flushed(killed)
+    assert path.read_bytes() == old
+    killed.send_signal(signal.SIGKILL)
+    killed.wait(30)
+    assert path.read_bytes() == old
+    partial = [p for p in tmp_path.iterdir() if p.name.endswith(".partial")]
+    assert len(partial) == 1
+    torn = SidecarReader(str(partial[0]))
+    assert not torn.complete and torn.sample_ids() == [f"new-{i}" for i in range(5)]
+    done = _start(path, "again", 4, replace=True)
+    _wait_flushed(done)
+    assert path.read_bytes() == old                      # still the old one while writing
+    rc, _, err = _finish(done)
+    assert rc == 0, err
+    r = SidecarReader(str(path))
+    assert r.complete and r.sample_ids() == [f"again-{i}" for i in range(4)]
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(["step.rrsc", partial[0].name])
+
+
+def test_replace_never_renames_over_a_special_file_or_folder(tmp_path):
+    fifo = tmp_path / "pipe"
+    os.mkfifo(fifo)
+    for dest in (fifo, tmp_path):
+        with pytest.raises(StreamExistsError, match="not a regular file"):
+            SidecarWriter(str(dest), SCHEMA, replace=True)
+    assert fifo.is_fifo() and not [p for p in tmp_path.iterdir() if p.name != "pipe"]
+
+
+# A restarted vLLM front end: the plugin's Streamer in a process whose pid is 1 (a fresh pid
+# namespace, as a container's API server), writing TAG records to DEST, then closed.
+FRONT_END = textwrap.dedent("""
+    import os, sys
+    import numpy as np
+    from engine_patches.vllm.capture import Streamer
+    from routereplay import RoutingRecord, RoutingSchema
+    dest, tag, n = sys.argv[1], sys.argv[2], int(sys.argv[3])
+    st = Streamer(dest, schema=RoutingSchema(4, (0, 1, 2, 3), 2, 8), weight_version="v0")
+    for i in range(n):
+        ids = np.zeros((5, 4, 2), np.uint8)
+        ids[..., 1] = 1 + i
+        st._writer().write(RoutingRecord(f"{tag}-{i}", ids))
+        st.records += 1
+        if i == 0:
+            st.rotate("v1")                  # a weight update: the next stream, .0001
+    st.close()
+    print(os.getpid(), [s.path for s in st.streams()])
+""")
+
+
+def _front_end(dest, tag, n):
+    cmd = [sys.executable, "-c", FRONT_END, str(dest), tag, str(n)]
+    p = subprocess.run(["unshare", "--pid", "--fork", "--mount-proc", *cmd], cwd=REPO,
+                       capture_output=True, text=True, timeout=60)
+    assert p.returncode == 0, p.stderr[-3000:]
+    return p.stdout
+
+
+@pytest.mark.skipif(shutil.which("unshare") is None, reason="needs util-linux unshare (root)")
+@pytest.mark.parametrize("dest", ["folder", "file"])
+def test_a_restarted_front_end_with_the_same_pid_keeps_the_earlier_runs_streams(tmp_path, dest):
+    """Two runs of the plugin, each as pid 1, into one folder (or one file path): every
+    record of both runs stays readable. Before: the second run reopened vllm-1.rrsc (or
+    the file path) and its .0001 stream for writing, and 3 records became 1."""
+    target = tmp_path if dest == "folder" else tmp_path / "run.rrsc"
+    first = _front_end(target, "first", 3)
+    second = _front_end(target, "second", 1)
+    assert first.startswith("1 ") and second.startswith("1 ")      # the pid repeats
+    seen = {}
+    for p in sorted(tmp_path.iterdir()):
+        r = SidecarReader(str(p))
+        assert r.complete and not r.errors, p
+        for s in r.sample_ids():
+            seen[s] = int(r.read(s).expert_ids[0, 0, 1])
+    assert seen == {"first-0": 1, "first-1": 2, "first-2": 3, "second-0": 1}
+    names = sorted(p.name for p in tmp_path.iterdir())
+    assert len(names) == 3, names                  # first: 2 streams (a rotation), second: 1
+    if dest == "file":
+        assert "run.rrsc" in names and "run.0001.rrsc" in names
+        assert any(n.startswith("run-") and n.endswith("-1-" + n.split("-")[-1]) for n in names)
+    else:
+        assert all(n.startswith("vllm-") and "-1-" in n for n in names)
+
+
+def test_a_huge_version_label_never_stops_the_plugin_writing(tmp_path, caplog):
+    """A 2 MiB weight-version label (set through the engine's own API; our routes refuse
+    it) is left out of the stream header with an error logged: every record is written.
+    Before: every stream's header exceeded the readers' limit, and each record of that
+    version was refused and dropped (10 of 10)."""
+    from engine_patches.vllm.capture import Streamer
+    st = Streamer(str(tmp_path) + "/", schema=SCHEMA, weight_version="v0")
+    st.rotate("x" * (2 << 20))
+    for i in range(10):
+        ids = np.zeros((5, 4, 2), np.uint8)
+        ids[..., 1] = 1 + i % 7
+        st._writer().write(RoutingRecord(f"s{i}", ids))
+        st.records += 1
+    st.close()
+    (path,) = list(tmp_path.iterdir())
+    r = SidecarReader(str(path))
+    assert r.complete and len(r.sample_ids()) == 10
+    assert "weight_version" not in r.header["extra"]
+    assert "weight_version is 2097152 characters long" in caplog.text
