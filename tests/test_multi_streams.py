@@ -179,3 +179,35 @@ def test_a_list_of_fsspec_urls_reads_as_one_reopening_by_url(schema):
         for r in recs + recs[::-1]:                        # each read reopens its stream
             np.testing.assert_array_equal(m.read(r.sample_id).expert_ids, r.expert_ids)
         assert m.stream_of("u1") == urls[1] and m.complete and not m.errors
+
+
+def test_one_weight_versions_streams_out_of_a_servers_folder(tmp_path):
+    """The plugin writes one stream per weight version into one folder for a server's
+    whole life; a framework reusing its uids every step ('prompt-0/0') cannot read the
+    folder as one source (the id is in two streams), but reads one version's streams with
+    weight_version= (the framework author's review). The others are listed, not read."""
+    import numpy as np
+
+    from engine_patches.vllm.capture import Streamer
+    from routereplay import RoutingRecord, RoutingSchema
+    from routereplay.errors import ConfigError, SidecarError
+    from routereplay.sidecar import open_sidecar
+    schema = RoutingSchema(4, (0, 1, 2, 3), 2, 8)
+    st = Streamer(str(tmp_path) + "/", schema=schema, weight_version="step-0")
+    for step in range(3):
+        for i in range(2):
+            ids = np.zeros((5, 4, 2), np.uint8)
+            ids[..., 1] = 1 + step
+            st._writer().write(RoutingRecord(f"prompt-{i}/0", ids))
+            st.records += 1
+        st.rotate(f"step-{step + 1}")
+    st.close()
+    with pytest.raises(SidecarError, match="is in two streams"):
+        open_sidecar(str(tmp_path))
+    r = open_sidecar(str(tmp_path), weight_version="step-1")
+    assert r.sample_ids() == ["prompt-0/0", "prompt-1/0"]
+    assert int(r.read("prompt-1/0").expert_ids[0, 0, 1]) == 2
+    assert sorted(v for _, v in r.other_versions) == ["step-0", "step-2"]
+    with pytest.raises(ConfigError, match=r"of weight version 'step-9' \(3 of others: "
+                                          r"\['step-0', 'step-1', 'step-2'\]\)"):
+        open_sidecar(str(tmp_path), weight_version="step-9")

@@ -205,6 +205,11 @@ class MultiSidecarReader:
             a scan of it), and a stream removed or replaced while closed cannot be read
             again (a SidecarError naming it).
         floors: :class:`SidecarReader`'s (False: trusted streams of earlier writers).
+        weight_version: read only the streams whose header names this weight version
+            (``header["extra"]["weight_version"]``, as the vLLM plugin writes one stream per
+            version): one policy version's streams out of a folder a server writes for its
+            whole life, where the same sample id may recur under another version. The
+            others are listed in :attr:`other_versions`, never read.
 
     Attributes:
         readers: each stream, in order, with the :class:`SidecarReader` API (opened on
@@ -212,6 +217,8 @@ class MultiSidecarReader:
             known without opening it).
         schema: the routing schema every stream shares.
         pending: paths of empty streams not opened yet.
+        other_versions: (``weight_version``) the streams of other (or no) weight versions,
+            by name, with the version their header names (None: none).
 
     Raises:
         ConfigError: no stream given (an empty folder, a glob matching nothing), or
@@ -222,9 +229,13 @@ class MultiSidecarReader:
     """
 
     def __init__(self, sources: Stream | Sequence[Stream], *, max_open: int = MAX_OPEN,
-                 floors: bool = True):
+                 floors: bool = True, weight_version: str | None = None):
         self._lock = threading.RLock()
         self._floors = floors
+        if weight_version is not None and not isinstance(weight_version, str):
+            raise ConfigError(f"weight_version is a str, not {type(weight_version).__name__}")
+        self._version = weight_version
+        self.other_versions: list[tuple[str, str | None]] = []
         if isinstance(sources, (str, os.PathLike, bytes, bytearray, memoryview)) \
                 or hasattr(sources, "read"):
             sources = [sources]                                       # type: ignore[list-item]
@@ -248,7 +259,10 @@ class MultiSidecarReader:
                 raise ConfigError("no sidecar streams in " + ", ".join(
                     str(s) if isinstance(s, (str, os.PathLike)) else type(s).__name__
                     for s in self._specs) + (f" ({len(self.pending)} empty)" if self.pending
-                                             else ""))
+                                             else "") + (
+                    f" of weight version {self._version!r} ({len(self.other_versions)} of "
+                    f"others: {sorted({str(v) for _, v in self.other_versions})[:8]})"
+                    if self._version is not None else ""))
         except Exception:
             self.close()
             raise
@@ -292,6 +306,14 @@ class MultiSidecarReader:
                     continue
             r = _new_reader(spec, key if isinstance(spec, (str, os.PathLike))
                             else type(spec).__name__, self._floors)
+            if self._version is not None:
+                extra = r.header.get("extra")
+                found = extra.get("weight_version") if isinstance(extra, dict) else None
+                if found != self._version:
+                    r.close()
+                    self._opened.add(key)
+                    self.other_versions.append((r.name, found))
+                    continue
             s = _Stream(self, spec, r)
             try:
                 if self.schema is None:
@@ -507,11 +529,13 @@ class MultiSidecarReader:
         self.close()
 
 
-def open_sidecar(spec: Stream | Sequence[Stream], *, floors: bool = True
+def open_sidecar(spec: Stream | Sequence[Stream], *, floors: bool = True,
+                 weight_version: str | None = None, max_open: int = MAX_OPEN
                  ) -> SidecarReader | MultiSidecarReader:
     """A reader for ``spec``: a :class:`SidecarReader` for one stream (a file, URL, bytes
     or file object), a :class:`MultiSidecarReader` for a folder, a glob or a list of more
-    than one stream. ``floors``: :class:`SidecarReader`'s.
+    than one stream. ``floors``: :class:`SidecarReader`'s; ``weight_version`` and
+    ``max_open``: :class:`MultiSidecarReader`'s (a ``weight_version`` always gives one).
 
     Raises:
         SidecarError: an OS error opening a stream (names it); see :class:`SidecarReader`
@@ -520,9 +544,10 @@ def open_sidecar(spec: Stream | Sequence[Stream], *, floors: bool = True
     if isinstance(spec, (list, tuple)) and len(spec) == 1 and not (
             _local(spec[0]) and (os.path.isdir(spec[0]) or _is_glob(os.fspath(spec[0])))):
         spec = spec[0]
-    if isinstance(spec, (list, tuple)) or _local(spec) and (
+    if isinstance(spec, (list, tuple)) or weight_version is not None or _local(spec) and (
             os.path.isdir(spec) or _is_glob(os.fspath(spec))):          # type: ignore[arg-type]
-        return MultiSidecarReader(spec, floors=floors)
+        return MultiSidecarReader(spec, floors=floors, weight_version=weight_version,
+                                  max_open=max_open)
     if isinstance(spec, (str, os.PathLike)):
         return _new_reader(spec, os.fspath(spec), floors)
     return SidecarReader(spec, floors=floors)                         # type: ignore[arg-type]
