@@ -27,6 +27,8 @@ Conventions (megatron-core, the layout its routers see):
 from __future__ import annotations
 
 import dataclasses
+import functools
+import hashlib
 from typing import Any, Callable, Sequence
 
 import numpy as np
@@ -465,26 +467,82 @@ def coverage(ids: np.ndarray, tmap: TokenMap) -> tuple[int, int]:
     return int(have[real].sum()), int(real.sum() * ids.shape[1])
 
 
-def fill_dummy(ids: np.ndarray, num_experts: int) -> np.ndarray:
-    """Rows without routing -> distinct dummy ids (for dispatchers that need exactly top_k
-    distinct experts per row and no trainer fallback).
+@functools.lru_cache(maxsize=16)
+def _bit_reversed(num_experts: int) -> np.ndarray:
+    """[0, E) in bit-reversed order (reversed over the next power of two, values >= E
+    dropped): consecutive entries land far apart in the expert range."""
+    m = max(1, (num_experts - 1).bit_length())
+    t = np.arange(1 << m, dtype=np.int64)
+    r = np.zeros_like(t)
+    for b in range(m):
+        r |= ((t >> b) & 1) << (m - 1 - b)
+    out = r[r < num_experts]
+    out.flags.writeable = False
+    return out
 
-    In every layer, the j-th row without routing (j = 0, 1, ... in token order) gets
-    ``(j * K + arange(K)) % num_experts``: distinct within the row (K <= num_experts), and
-    the layer's dummy rows together walk the experts round-robin, so per-expert counts
-    differ by at most 1 (NOTE: numbering by the row's own index instead would flood a few
-    experts when the rows without routing are spaced regularly, e.g. every other row).
+
+def fill_dummy(ids: np.ndarray, num_experts: int, sample_ids: Sequence[str] = (),
+               layer_ids: Sequence[int] | None = None, shard: Shard = Shard()) -> np.ndarray:
+    """Rows without routing -> distinct dummy ids, spread over experts, expert-parallel
+    ranks, data-parallel ranks, microbatches and layers (for dispatchers that need exactly
+    top_k distinct experts per row and no trainer fallback).
+
+    Rule: the experts are walked as a cycle in bit-reversed order (``order``: for E = 8,
+    0 4 2 6 1 5 3 7; for E not a power of two, the bit-reversed order of the next power of
+    two without the values >= E). In layer l, the j-th row without routing (j = 0, 1, ... in
+    row order) gets ``order[((c_l + j) * K + arange(K)) % E]``, where the start
+    ``c_l = blake2b(sample_ids, sequence-split index, layer_ids[l]) % E``; the
+    sequence-split index is ``cp_rank * tp + tp_rank`` with sequence parallel, ``cp_rank``
+    without (tensor-parallel ranks that see the same rows get the same ids).
+
+    - Distinct within a row (K <= E consecutive entries of the cycle), within [0, E).
+    - Within one call and layer, the rows' windows tile the cycle, so per-expert counts
+      differ by at most 1 (NOTE: numbering by the row's own index instead would flood a few
+      experts when the rows without routing are spaced regularly, e.g. every other row).
+    - Spread over expert-parallel ranks. NOTE: megatron places experts contiguously on EP
+      ranks (EP rank r holds ``[r*E/ep, (r+1)*E/ep)``), so rows that all start at expert 0
+      on every rank (the rule before issue 28) send up to all dummy assignments to EP rank
+      0. For E a power of two and ep a power of two dividing it, the EP rank of
+      ``order[t]`` is the bit reversal of ``t mod ep``: any ep consecutive cycle entries
+      hit every EP rank once, so one call's per-EP-rank counts differ by at most 1 in every
+      layer (one top-8 row covers all 8 ranks of EP=8), and over concurrent microbatches
+      the hottest EP rank gets at most its fair share plus one assignment per microbatch.
+      Other E (60, 96, 160, 384 tried) spread as well, within 1.5x of the fair share in
+      the layouts of tests/test_dummy_fallback.py.
+    - The hashed start makes different microbatches (hence data-parallel ranks, whose sample
+      ids differ), context-/sequence-parallel ranks and layers begin at different points
+      of the cycle. It is blake2b, not Python's salted ``hash()``: every process and every
+      run computes the same ids (the recompute forward reuses the loaded ids anyway).
 
     Args:
-        ids: signed int [N, L, K]; returned as a new array of the same dtype.
+        ids: signed int [N, L, K] (``MISSING`` rows have no routing); returned as a new array
+            of the same dtype.
+        num_experts: E.
+        sample_ids: the microbatch's sample ids (its record ids, in batch order).
+        layer_ids: decoder layer id of each of the L layers (default ``0 .. L-1``).
+        shard: this rank's place in the sequence splits.
+    Raises:
+        AlignmentError: ``layer_ids`` does not name L layers.
     """
     out = ids.copy()
     miss = (out == MISSING).all(-1)                 # [N, L]
-    if miss.any():
-        k = out.shape[2]
-        j = np.cumsum(miss, axis=0) - 1             # [N, L]: index among the layer's dummy rows
-        r, l = np.nonzero(miss)
-        out[r, l] = ((j[r, l][:, None] * k + np.arange(k)[None]) % num_experts).astype(out.dtype)
+    if not miss.any():
+        return out
+    n_layers, k = out.shape[1], out.shape[2]
+    layer_ids = range(n_layers) if layer_ids is None else layer_ids
+    if len(layer_ids) != n_layers:
+        raise AlignmentError(f"fill_dummy: {len(layer_ids)} layer ids for rows of {n_layers} "
+                             "layers")
+    split = shard.cp_rank * shard.tp_size + shard.tp_rank if shard.sequence_parallel \
+        else shard.cp_rank
+    head = "\0".join(sample_ids).encode() + b"\1" + str(split).encode()
+    start = np.array([int.from_bytes(hashlib.blake2b(head + b"\1" + str(int(lid)).encode(),
+                                                     digest_size=8).digest(), "little")
+                      % num_experts for lid in layer_ids], np.int64)       # [L]
+    j = np.cumsum(miss, axis=0) - 1                 # [N, L]: index among the layer's dummy rows
+    r, l = np.nonzero(miss)
+    pos = ((start[l] + j[r, l])[:, None] * k + np.arange(k)[None]) % num_experts
+    out[r, l] = _bit_reversed(num_experts)[pos].astype(out.dtype)
     return out
 
 

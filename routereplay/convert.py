@@ -16,7 +16,9 @@ Input kinds (``routereplay convert --from KIND``):
   fused shared-expert columns the payload carries, ``num_fused_shared_experts``, 0 by
   default and for SGLang 0.5.23), bare or inside a JSON object read by
   :func:`routereplay.wire.sglang_fields` (a ``/generate`` or OpenAI response, or
-  ``{"id": ..., "routed_experts": ...}``).
+  ``{"id": ..., "routed_experts": ...}``). Rows start at the line's
+  ``routed_experts_start_len`` when stored next to ``meta_info``, else at 0, and a line
+  with token counts must fit them (:func:`sglang_start`: an ambiguous count is refused).
 
 Bare lines get the sample id ``<file stem>-<line number>`` (1-based). Nothing is
 unpickled: ``.npy``/``.npz`` are loaded with ``allow_pickle=False``.
@@ -36,7 +38,7 @@ import numpy as np
 
 from routereplay import wire
 from routereplay.errors import ConfigError, RecordError, SchemaError
-from routereplay.record import RoutingRecord, checked_moe_ids
+from routereplay.record import RoutingRecord, check_written_rows, checked_moe_ids
 from routereplay.schema import RoutingSchema
 from routereplay.sidecar.layout import MAX_JSON_BYTES
 
@@ -134,23 +136,27 @@ def parse_layers(spec: str) -> list[int]:
 
 
 def to_record(sample_id: str, arr: np.ndarray, schema: RoutingSchema, *,
-              full_layout: bool | None = None, id_hint=None) -> RoutingRecord:
+              full_layout: bool | None = None, id_hint=None, start: int = 0) -> RoutingRecord:
     """Integer ids [T, L, top_k] -> RoutingRecord with ids [T, L_moe, top_k] (schema dtype).
 
     ``full_layout``: True if L is num_hidden_layers (dense layers dropped), False if L is
     L_moe, None to decide from L. ``id_hint``: see routereplay.record.checked_moe_ids.
+    ``start``: token position of row 0.
 
     Raises:
         RecordError: wrong shape or dtype (a dtype that cannot hold num_experts - 1
             included), an id outside [0, num_experts) or repeated in its row, naming
             sample, token and layer; non-zero routing on a layer the schema calls dense
-            (see routereplay.record.checked_moe_ids).
+            (see routereplay.record.checked_moe_ids); a run of rows never written
+            (routereplay.record.check_written_rows).
     """
     if full_layout is None:
         full_layout = _full_layout(arr.shape if isinstance(arr, np.ndarray) else (), schema)
-    rec = RoutingRecord(sample_id=sample_id, expert_ids=checked_moe_ids(
-        arr, schema, sample_id, full_layout=full_layout, check_duplicates=True, id_hint=id_hint))
+    rec = RoutingRecord(sample_id=sample_id, start=start, expert_ids=checked_moe_ids(
+        arr, schema, sample_id, start=start, full_layout=full_layout, check_duplicates=True,
+        id_hint=id_hint))
     rec.validate(schema)
+    check_written_rows(rec.expert_ids, sample_id, start)
     return rec
 
 
@@ -195,7 +201,8 @@ def read_npy_record(f: BinaryIO, size: int, what: str, sample_id: str, schema: R
     Raises:
         RecordError: not .npy, not integers, a dtype too narrow for num_experts, a shape
             that is not [T, num_hidden_layers or L_moe, top_k] or T above the sidecar's
-            limit, fewer bytes than the header claims, or a bad id (named).
+            limit, fewer bytes than the header claims, a bad id (named), or a run of rows
+            never written (routereplay.record.check_written_rows).
     """
     from routereplay.record import moe_rows, row_chunks
     from routereplay.sidecar.layout import MAX_TOKENS
@@ -240,6 +247,7 @@ def read_npy_record(f: BinaryIO, size: int, what: str, sample_id: str, schema: R
         out = np.empty((0, schema.num_moe_layers, schema.top_k), schema.id_dtype)
     rec = RoutingRecord(sample_id=sample_id, expert_ids=out)
     rec.validate(schema)
+    check_written_rows(out, sample_id)
     return rec
 
 
@@ -323,17 +331,19 @@ def iter_b64(path: str, kind: str, schema: RoutingSchema, *, num_fused_shared_ex
             if len(line) > MAX_LINE_BYTES:
                 raise RecordError(f"{path}:{lineno}: line longer than {MAX_LINE_BYTES} bytes")
             default_id = f"{stem}-{lineno}"
-            for sid, b64 in _payloads(line, default_id, f"{path}:{lineno}", kind):
+            for sid, b64, fields in _payloads(line, default_id, f"{path}:{lineno}", kind):
                 found = True
-                yield _decode_b64(b64, kind, schema, sid, num_fused_shared_experts)
+                yield _decode_b64(b64, kind, schema, sid, num_fused_shared_experts, fields)
     if not found:
         raise RecordError(f"{path}: no routing payloads (the file is empty)")
 
 
-def _payloads(line: bytes, default_id: str, where: str,
-              kind: str = "vllm-b64") -> list[tuple[str, str | bytes]]:
+def _payloads(line: bytes, default_id: str, where: str, kind: str = "vllm-b64"
+              ) -> list[tuple[str, str | bytes, wire.SGLangFields | None]]:
+    """(sample id, payload, the SGLang response's fields or None) of each payload of a
+    line."""
     if not line.startswith(b"{"):
-        return [(default_id, line)]
+        return [(default_id, line, None)]
     try:
         obj = json.loads(line)
     except (ValueError, RecursionError) as e:
@@ -350,7 +360,7 @@ def _payloads(line: bytes, default_id: str, where: str,
             raise RecordError(f"{where}: sample {sid!r} has no routed_experts string (is capture "
                               "on? SGLang: --enable-return-routed-experts and "
                               "return_routed_experts=True)")
-        return [(sid, f.routed_experts)]
+        return [(sid, f.routed_experts, f)]
     if isinstance(obj.get("choices"), list):                       # OpenAI-style response
         rid = str(obj["id"]) if obj.get("id") is not None else default_id
         out = []
@@ -359,7 +369,8 @@ def _payloads(line: bytes, default_id: str, where: str,
                 raise RecordError(f"{where}: choice {i} of {rid!r} has no routed_experts (start "
                                   "the server with --enable-return-routed-experts)")
             idx = ch.get("index", i)
-            out.append((rid if len(obj["choices"]) == 1 else f"{rid}-{idx}", ch["routed_experts"]))
+            out.append((rid if len(obj["choices"]) == 1 else f"{rid}-{idx}",
+                        ch["routed_experts"], None))
         return out
     src = obj.get("meta_info") if isinstance(obj.get("meta_info"), dict) else obj
     b64 = src.get("routed_experts")
@@ -369,11 +380,12 @@ def _payloads(line: bytes, default_id: str, where: str,
         raise RecordError(f"{where}: sample {sid!r} has no routed_experts string (is capture on? "
                           "vLLM: --enable-return-routed-experts; SGLang: "
                           "--enable-return-routed-experts and return_routed_experts=True)")
-    return [(str(sid), b64)]
+    return [(str(sid), b64, None)]
 
 
 def _decode_b64(b64: str | bytes, kind: str, schema: RoutingSchema, sid: str,
-                num_fused_shared_experts: int = 0) -> RoutingRecord:
+                num_fused_shared_experts: int = 0,
+                fields: wire.SGLangFields | None = None) -> RoutingRecord:
     if not b64.strip():
         raise RecordError(f"sample {sid!r}: routed_experts is empty")
     if kind == "sglang-b64":
@@ -384,6 +396,7 @@ def _decode_b64(b64: str | bytes, kind: str, schema: RoutingSchema, sid: str,
         except RecordError as e:
             raise RecordError(f"sample {sid!r}: {e}") from None
         return to_record(sid, arr, schema, full_layout=True,
+                         start=sglang_start(sid, arr.shape[0], fields),
                          id_hint=wire.sglang_id_hint(schema.num_experts, num_fused_shared_experts))
     try:
         raw = base64.b64decode(b64, validate=True)
@@ -391,6 +404,49 @@ def _decode_b64(b64: str | bytes, kind: str, schema: RoutingSchema, sid: str,
         raise RecordError(f"sample {sid!r}: routed_experts is not base64 ({e})") from None
     return read_npy_record(io.BytesIO(raw), len(raw), f"sample {sid!r}: routed_experts", sid,
                            schema, full_layout=True)
+
+
+def sglang_start(sid: str, rows: int, fields: wire.SGLangFields | None) -> int:
+    """Token position of row 0 of an ``sglang-b64`` payload of ``rows`` rows.
+
+    The line's ``routed_experts_start_len`` (stored next to ``meta_info``) when it has one,
+    else 0. Where the line also gives the token counts (a ``/generate`` or OpenAI response),
+    the rows must cover [start, prompt + output - 1); without a stored start only the
+    complete count (prompt + output - 1 rows, start 0) is accepted. NOTE: any other count
+    fits a later start as well as a payload truncated by as many rows; convert refuses to
+    guess (engine_patches.sglang.records applies the same rule). A line without token
+    counts (bare base64, or ``{"id", "routed_experts"}``) is placed at its stored start or
+    0 and cannot be checked.
+
+    Raises:
+        RecordError: naming the sample: a start that is not a non-negative integer, a row
+            count that does not fit the token counts and the start, or an ambiguous one.
+    """
+    start = None if fields is None else fields.start_len
+    if start is not None and (isinstance(start, bool) or not isinstance(start, int)
+                              or start < 0):
+        raise RecordError(f"sample {sid!r}: routed_experts_start_len must be a non-negative "
+                          f"integer, got {start!r}")
+    p = None if fields is None else fields.prompt_tokens
+    g = None if fields is None else fields.completion_tokens
+    if not all(isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in (p, g)):
+        return start or 0
+    full = max(0, p + g - 1)
+    if start is not None:
+        if start > p or rows != max(0, full - start):
+            raise RecordError(f"sample {sid!r}: routing row-count mismatch: {rows} rows for "
+                              f"{p} prompt + {g} output tokens from routed_experts_start_len "
+                              f"{start} (expected {max(0, full - start)}, start at most {p})")
+        return start
+    if rows != full:
+        raise RecordError(
+            f"sample {sid!r}: {rows} routing rows for {p} prompt + {g} output tokens ({full} "
+            f"rows from position 0) and no routed_experts_start_len: "
+            + (f"start_len {full - rows} with complete rows, or start_len 0 with a payload "
+               f"truncated by {full - rows} rows; store the request's start as "
+               '"routed_experts_start_len" next to meta_info in the line'
+               if full - p <= rows < full else "no start explains that many rows"))
+    return 0
 
 
 def iter_records(kind: str, path: str, schema: RoutingSchema, *,

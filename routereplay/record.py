@@ -322,6 +322,71 @@ def first_bad_row(ids: np.ndarray, schema: RoutingSchema, sample_id: str, *, sta
                     f"duplicate expert ids {c[r, lyr].tolist()} in one top-k row{hint}")
 
 
+# NOTE: rows that were never written read as expert 0 everywhere (a capturer never bound,
+# a P/D prefill worker that returns the prompt rows unwritten, a schema whose "MoE"
+# layers are the model's dense, zero-filled ones). With top-k > 1 such a row repeats
+# expert 0 and the duplicate check refuses it; with top-1 it is a valid-looking row. A run
+# of consecutive rows that is expert 0 in every MoE layer is refused once it covers
+# UNWRITTEN_MIN_CELLS (token, MoE layer) cells and UNWRITTEN_MIN_TOKENS tokens: even a
+# router that gave expert 0 probability 1/2 in every cell would produce such a run with
+# probability <= 2^-64 (a trained, balanced router gives it about 1/num_experts per cell),
+# so over 2^20 start positions in each of 2^20 records a genuine run is refused with
+# probability <= 2^-24. The token minimum: one token's cells come from one forward pass,
+# not independent draws (an attention-sink token such as BOS carries a near-constant
+# state through the layers, and sits at the same position in every sample), so a few rows
+# alone are never refused whatever the layer count. What the causes above produce is the
+# whole prompt or the whole record, far longer. Limit: a model with very few MoE layers
+# (one or two) running a long span of one repeated token could route it to expert 0 in
+# every layer; the rule assumes different tokens route independently.
+UNWRITTEN_MIN_CELLS = 64
+UNWRITTEN_MIN_TOKENS = 4
+
+
+def check_written_rows(ids: np.ndarray, sample_id: str, start: int = 0) -> None:
+    """Refuse a run of rows that no router would produce: consecutive token rows that are
+    expert 0 in every MoE layer and every top-k column, at least
+    :data:`UNWRITTEN_MIN_TOKENS` rows and :data:`UNWRITTEN_MIN_CELLS` (token, layer) cells
+    long (the rule and its reasoning: the NOTE above). Genuine rows that use expert 0 (a
+    shorter run, or a run in which some layer is not 0) pass.
+
+    Args:
+        ids: integer [T, L_moe, K] (dense layers already stripped), row i at token position
+            ``start + i``.
+        sample_id: names the sample in the error; ``start``: token position of row 0.
+    Raises:
+        RecordError: naming the sample, the token span [a, b) of the first such run and
+            the likely causes (capturer never bound; P/D prefill rows not written; dense
+            layers read as MoE).
+    Work: O(T x L_moe x K) reads, one bool per row (plus a chunk's temporaries).
+    """
+    t = ids.shape[0]
+    layers = ids.shape[1] if ids.ndim == 3 else 0
+    if not t or not layers:
+        return
+    need = max(UNWRITTEN_MIN_TOKENS, -(-UNWRITTEN_MIN_CELLS // layers))    # rows
+    if t < need:
+        return
+    zero = np.empty(t, bool)
+    flat = ids.reshape(t, -1)
+    for a, b in row_chunks(t, flat.shape[1]):
+        zero[a:b] = ~flat[a:b].any(axis=1)
+    if not zero.any():
+        return
+    edges = np.flatnonzero(np.diff(zero.astype(np.int8), prepend=0, append=0))
+    runs = edges.reshape(-1, 2)                          # [a, b) of each all-zero run
+    long = np.flatnonzero(runs[:, 1] - runs[:, 0] >= need)
+    if long.size:
+        a, b = (int(x) for x in runs[long[0]])
+        raise RecordError(
+            f"sample {sample_id!r}, tokens [{start + a}, {start + b}): {b - a} consecutive rows "
+            f"are expert 0 in all {layers} MoE layers, which no router produces (runs of "
+            f"{need} or more are refused): rows never written. Likely causes: the routing "
+            "capturer was never bound (every row zero), prefill/decode disaggregation "
+            "returned the prompt rows unwritten (a decode leg's or overlapped prefill's "
+            "prompt rows), or the schema's MoE layers are dense layers of the model (zero-"
+            "filled by the engine)")
+
+
 def check_id_dtype(dtype: np.dtype, schema: RoutingSchema, sample_id: str) -> None:
     """Refuse an integer dtype that cannot hold every expert id ``0 .. num_experts - 1``.
 

@@ -32,7 +32,7 @@ import numpy as np
 
 from routereplay.align import Layout, Shard, TokenMap, host_array, token_map
 from routereplay.errors import AlignmentError, ConfigError, RecordError, UnknownSampleError
-from routereplay.record import RoutingRecord, checked_moe_ids, eplb_id_hint
+from routereplay.record import RoutingRecord, check_written_rows, checked_moe_ids, eplb_id_hint
 from routereplay.schema import RoutingSchema
 
 # (ids, first): ids of the schema's id dtype [n, len(moe_layers), K] holding token
@@ -278,7 +278,8 @@ class InMemorySource:
                 columns outside the real tokens or with a hole (naming the sample and the
                 token position).
             RecordError: an id out of range, repeated in a row, routing on a dense layer
-                (naming the sample, token position and decoder layer).
+                (naming the sample, token position and decoder layer), or a run of rows
+                never written (expert 0 in every MoE layer: check_written_rows).
         """
         ids = host_array(routed_experts, "routed_experts")
         if ids.ndim != 4 or ids.dtype.kind not in "iu" or ids.shape[3] != schema.top_k:
@@ -333,6 +334,8 @@ class InMemorySource:
             if full:
                 rows = checked_moe_ids(rows, schema, sid, start=start, full_layout=True)
             rows = checked_ids(rows, schema, sid, start=start)
+            # NOTE: a batch buffer never filled (or P/D prompt rows) reads as expert 0
+            check_written_rows(rows, sid, start)
             records.append(RoutingRecord(
                 sid, rows, start=start,
                 token_ids=None if toks is None else toks[j, a:a + n].astype(np.int64)))

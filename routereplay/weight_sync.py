@@ -17,8 +17,10 @@ source                                 vLLM 0.32 / 0.33                         
 =====================================  ===========================================  =====================================
 
 Every source is checked when it is built and again before the engine is paused, so a bad
-one never pauses an engine for nothing; the error names the source. Both engines' syncs
-return one :class:`SyncReport`. The old names (SGLang ``FromDisk`` / ``FromTensor``, vLLM
+one never pauses an engine for nothing; the error names the source. So is the label: an
+update labelled with the engine's current weight version is refused before the pause
+(:func:`check_new_version`) unless ``reload_same_version=True`` says it is a deliberate
+reload of that version. Both engines' syncs return one :class:`SyncReport`. The old names (SGLang ``FromDisk`` / ``FromTensor``, vLLM
 ``FromWeightTransfer``) stay one release as deprecated aliases in their engine modules.
 """
 from __future__ import annotations
@@ -27,7 +29,7 @@ import dataclasses
 import warnings
 from typing import Any, Mapping, Sequence
 
-from routereplay.errors import ConfigError
+from routereplay.errors import ConfigError, WeightSyncError
 
 PAUSE_MODES = ("abort", "wait", "keep")
 """``abort``: in-flight requests end as aborted; ``wait``: they finish on the old weights
@@ -154,6 +156,46 @@ def check_mode(mode: str, modes: Sequence[str] = PAUSE_MODES) -> None:
         raise ConfigError(f"mode must be one of {tuple(modes)}, got {mode!r}")
 
 
+def check_new_version(version: str, current: str | None, *, reload_same_version: bool = False,
+                      after_update: bool = False) -> None:
+    """Refuse a weight update labelled with the engine's current weight version.
+
+    Under one label the engines keep what they keep per version: vLLM's cache salt (so in
+    keep mode, where the prefix-cache reset cannot succeed, new requests could hit blocks
+    computed with the old weights), both engines' records (one routing stream would hold
+    two policies under one label, and a trainer could not tell them apart). Runs before the
+    engine is paused, so a refused update changes nothing.
+
+    Args:
+        version: the update's label.
+        current: the engine's weight version now (vLLM's and SGLang's engines start at
+            ``"default"``, which counts); None = unknown (nothing refused).
+        reload_same_version: the caller's opt-in for a deliberate reload under the same
+            label (each engine's docs say what it then does about the prefix cache).
+        after_update: the check of an after-update step (the caller's own update has
+            already written the weights): the message says what that leaves.
+    Raises:
+        WeightSyncError: ``version == current`` without ``reload_same_version``, naming the
+            label.
+    """
+    if reload_same_version or current is None or str(version) != str(current):
+        return
+    if after_update:
+        what = (f"after_weight_update to version {str(version)!r} refused: {str(current)!r} is "
+                "already the engine's weight version, so the weights your update wrote would "
+                "be served and recorded under the old weights' label. Nothing was done (no "
+                "prefix-cache reset, no version change). If your update path set the label "
+                "itself (vLLM finish_weight_update(weight_version=...), SGLang weight_version= "
+                "on /update_weights_from_*), leave it to after_weight_update. ")
+    else:
+        what = (f"weight sync to version {str(version)!r} refused: {str(current)!r} is already "
+                "the engine's weight version, so records of the new weights would carry the "
+                "old weights' label and new requests could reuse prefix blocks computed with "
+                "the old weights. The engine was not paused and nothing was changed. ")
+    raise WeightSyncError(what + "Give the update a new label, or pass "
+                          "reload_same_version=True for a deliberate reload of the same version")
+
+
 @dataclasses.dataclass
 class SyncReport:
     """What one weight sync (or one after-update step) did, on any engine.
@@ -163,7 +205,8 @@ class SyncReport:
         mode: the pause mode ("none" for an after-update step without a pause).
         seconds: wall time per step ("pause", "update", "reprepack", "eplb", "reset", "version",
             "rotate", "resume"; the steps that ran).
-        calls: the engine calls or HTTP endpoints made, in order.
+        calls: the engine calls or HTTP endpoints made, in order (reads are not listed:
+            the current weight version, read before the pause).
         prefix_cache_reset: False when the prefix cache could not be reset (kept requests
             held blocks); the version salt still keeps new requests off old blocks (vLLM).
         eplb_layers_refreshed: MoE layers whose physical replicas were rewritten.

@@ -29,6 +29,7 @@ os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
 os.environ.setdefault("MASTER_PORT", str(free_port()))
 init(ParallelSpec(), 0, 1)
 
+from routereplay import align  # noqa: E402
 from routereplay.errors import AlignmentError, RecordError, SchemaError  # noqa: E402
 from routereplay.sidecar import SidecarReader  # noqa: E402
 from trainer_hooks.megatron import RouterReplayer, check_config  # noqa: E402
@@ -117,7 +118,16 @@ r0 = records[0]
 srt = np.sort(used_d, -1)
 b = len(records)
 k, e = schema.top_k, schema.num_experts
-dummy_ok = all((used_d[j, p, li] == (np.arange(k) + (p * b + j) * k) % e).all()
+# the rows without routing take align.fill_dummy's ids for this microbatch, called as the
+# replayer calls it (its sample ids, the routers' decoder layer ids; world size 1)
+tm = align.token_map(mb[0].layout)
+rows = np.full((tm.num_rows, 3, k), align.MISSING, np.int16)
+for n, (j, p) in enumerate(zip(tm.sample, tm.position)):
+    if j >= 0 and records[j].start <= p < records[j].start + records[j].num_tokens:
+        rows[n] = records[j].expert_ids[p - records[j].start]
+want = align.fill_dummy(rows, e, mb[0].sample_ids, [lid for _, lid in rep_d.layers[0]])
+want = want.reshape(s, b, 3, k).transpose(1, 0, 2, 3)
+dummy_ok = all((used_d[j, p, li] == want[j, p, li]).all()
                for j, r in enumerate(records) for p in range(r.start) for li in range(3))
 res["dummy"] = {"fallback_rows_are_dummy": bool(dummy_ok),"covered_equal": bool((used_d[0, r0.start:r0.start + r0.num_tokens]
                                        == r0.expert_ids.astype(np.int64)).all()),

@@ -39,7 +39,11 @@ def _rec(name, **kw):
 def test_records_match_the_routing_the_model_used(name):
     c = CASES[name]
     start = c["request"].get("routed_experts_start_len", 0)
-    rec = record_from_response(c["response"], SCHEMA)            # start_len inferred
+    if start:                  # a later start: the row count alone cannot place the rows
+        with pytest.raises(RecordError, match=f"start_len {start} with complete rows"):
+            record_from_response(c["response"], SCHEMA)
+    rec = record_from_response(c["response"], SCHEMA,            # start 0: inferred
+                               start_len=start or None)
     assert rec.start == start
     np.testing.assert_array_equal(rec.expert_ids, _truth(name, start))
     assert rec.expert_ids.dtype == np.uint8 and rec.expert_ids.shape[1] == 3   # dense layer 0 stripped
@@ -154,9 +158,12 @@ def test_bad_payloads_name_the_request():
     resp["output_ids"] = ["x"] * 4
     with pytest.raises(RecordError, match="req-basic.*malformed"):
         record_from_response(resp, SCHEMA, prompt_ids=CASES["basic"]["prompt_ids"])
-    # a truncated payload is only caught when the start is known (stored with the response)
+    # a truncated payload without the start: refused, naming both readings
     short = _with_payload("basic", truth[:-1])
-    assert record_from_response(short, SCHEMA).start == 1          # inferred: looks like start 1
+    with pytest.raises(RecordError, match="req-basic': 8 routing rows .*start_len 1 with "
+                                          "complete rows, or start_len 0 with a payload "
+                                          "truncated by 1 rows"):
+        record_from_response(short, SCHEMA)
     short["routed_experts_start_len"] = 0
     with pytest.raises(RecordError, match="row-count mismatch: .* = 8 rows .*implies 9 rows"):
         record_from_response(short, SCHEMA)
@@ -168,6 +175,7 @@ def test_bad_payloads_name_the_request():
 
 def test_convert_sglang_json_and_export(tmp_path):
     lines = [CASES[n]["response"] for n in ("basic", "start_len", "update_in_place", "openai")]
+    lines[1] = {**lines[1], "routed_experts_start_len": 3}       # as the request was sent
     src = tmp_path / "responses.jsonl"
     src.write_text("\n".join(json.dumps(x) for x in lines) + "\n")
     (tmp_path / "model").mkdir()
@@ -196,6 +204,7 @@ class _FakeSGLang(BaseHTTPRequestHandler):
     calls: list = []
     fail: dict = {}
     running = 0
+    version = "default"               # SGLang 0.5.23's weight_version until an update
 
     def log_message(self, *a):
         pass
@@ -206,6 +215,12 @@ class _FakeSGLang(BaseHTTPRequestHandler):
         self.send_header("Content-Length", str(len(body)))
         self.end_headers()
         self.wfile.write(body)
+
+    def do_GET(self):
+        # NOTE: not in `calls`: the sync's read of the current version (GET /model_info)
+        if self.path == "/model_info":
+            return self._reply(200, {"model_path": "tiny", "weight_version": type(self).version})
+        return self._reply(404, {"error": self.path})
 
     def do_POST(self):
         n = int(self.headers.get("Content-Length") or 0)
@@ -224,8 +239,11 @@ class _FakeSGLang(BaseHTTPRequestHandler):
             return self._reply(200, {"message": "Generation continued successfully.", "status": "ok"})
         if path.startswith("/update_weights_from_"):
             assert {"weight_version", "flush_cache", "abort_all_requests"} <= set(body)
+            if body["weight_version"] is not None:
+                type(self).version = body["weight_version"]
             return self._reply(200, {"success": True, "message": "ok", "num_paused_requests": 0})
         if path == "/update_weight_version":
+            type(self).version = body["new_version"]
             return self._reply(200, {"success": True, "message": f"Weight version updated to "
                                      f"{body['new_version']}", "new_version": body["new_version"]})
         if path == "/flush_cache":
@@ -235,7 +253,7 @@ class _FakeSGLang(BaseHTTPRequestHandler):
 
 @pytest.fixture
 def sglang_server():
-    _FakeSGLang.calls, _FakeSGLang.fail = [], {}
+    _FakeSGLang.calls, _FakeSGLang.fail, _FakeSGLang.version = [], {}, "default"
     srv = ThreadingHTTPServer(("127.0.0.1", 0), _FakeSGLang)
     th = threading.Thread(target=srv.serve_forever, daemon=True)
     th.start()

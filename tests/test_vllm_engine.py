@@ -87,7 +87,7 @@ def test_plugin_streams_every_finished_request_one_stream_per_version(run):
     for sid, (rec, label) in plug.items():          # every record sits in its version's stream
         assert rec.weight_versions[-1].version == label, sid
     own = _records(d / "own.rrsc")
-    assert st["written"] == len(plug) == len(own) + 5 + 3 + 5
+    assert st["written"] == len(plug) == len(own) + 5 + 3 + 5 + 2
     assert {"3/0", "3/1"} <= set(plug)                      # n=2: one record per completion
     for sid, r in own.items():
         p = plug[sid][0]
@@ -169,6 +169,29 @@ def test_weight_sync_never_serves_old_routing_from_the_prefix_cache(run, tiny_mo
         assert set(rep["seconds"]) == {"pause", "update", "reprepack", "reset", "version",
                                        "resume"}
         assert rep["stream_closed"] and rep["eplb_layers_refreshed"] == 0
+
+
+def test_an_update_under_the_current_label_is_refused_before_the_pause(run):
+    # issue 28 kind 2: sync and after_weight_update under the engine's current label ("v2")
+    # are refused, nothing paused or reset (the next request still hits the prefix cache);
+    # reload_same_version=True reloads it: prefix cache reset, a reload count in the salt,
+    # same label, so no new stream
+    d, res = run
+    same = res["same_version"]
+    assert same["current"] == "v2"
+    sync_err, after_err = same["refused"]
+    assert "weight sync to version 'v2' refused" in sync_err and "not paused" in sync_err
+    assert "after_weight_update to version 'v2' refused" in after_err and \
+        "Nothing was done" in after_err
+    assert "reload_same_version=True" in sync_err and "reload_same_version=True" in after_err
+    assert same["cached_after_refusal"] == 256
+    rep = same["reload_report"]
+    assert rep["version"] == "v2" and rep["prefix_cache_reset"] and rep["stream_closed"] is None
+    assert rep["calls"][:2] == ["sleep", "collective_rpc:reload_weights"]
+    assert same["salt_after_reload"] == "routereplay-weight-version=v2#reload-1"
+    assert same["cached_after_reload"] == 0
+    plug = _plugin_streams(res["plugin_stats"])
+    assert plug["same-refused"][1] == plug["same-reloaded"][1] == "v2"
 
 
 def test_multi_turn_segments_rebuild_the_conversation(run, tiny_model):

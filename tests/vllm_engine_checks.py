@@ -86,6 +86,7 @@ def part_plugin_sync_multiturn(model: str, v2: str, out: str) -> dict:
     rep = sync.sync(FromCheckpoint(v2), "v2", mode="abort")
     o1 = llm.generate([TokensPrompt(prompt_token_ids=stale)], spg, use_tqdm=False)[0]
     o1b = llm.generate([TokensPrompt(prompt_token_ids=stale)], spg, use_tqdm=False)[0]
+    res["same_version"] = part_same_version(llm, sync, v2, stale)
     from safetensors.torch import load_file
     v1_tensors = load_file(os.path.join(model, "model.safetensors"))      # a dict
     rep3 = sync.sync(FromTensors(v1_tensors), "v3", mode="abort")
@@ -122,6 +123,37 @@ def part_plugin_sync_multiturn(model: str, v2: str, out: str) -> dict:
     res["closed_at_end"] = plugin.rotate()      # the last version's stream, indexed
     res["plugin_stats"] = plugin.stats()
     write_records(os.path.join(out, "own.rrsc"), schema, own)
+    return res
+
+
+def part_same_version(llm, sync, v2, stale) -> dict:
+    """An update under the current label ("v2"): refused before the pause by sync and
+    after_weight_update (the next request still hits the prefix cache: nothing was reset);
+    then a deliberate reload with reload_same_version=True (keep mode)."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    from engine_patches.vllm.weight_sync import FromCheckpoint, _salt, after_weight_update
+    from routereplay.errors import WeightSyncError
+    res: dict = {"current": llm.get_weight_version(), "refused": []}
+    for call in (lambda: sync.sync(FromCheckpoint(v2), "v2", mode="keep"),
+                 lambda: after_weight_update(llm, "v2")):
+        try:
+            call()
+            res["refused"].append(None)
+        except WeightSyncError as e:
+            res["refused"].append(str(e))
+
+    def again(sid):
+        sp = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True, logprobs=0,
+                            extra_args={"routereplay_sample_id": sid})
+        return int(llm.generate([TokensPrompt(prompt_token_ids=stale)], sp,
+                                use_tqdm=False)[0].num_cached_tokens)
+    res["cached_after_refusal"] = again("same-refused")
+    rep = sync.sync(FromCheckpoint(v2), "v2", mode="keep", reload_same_version=True)
+    res["reload_report"] = rep.as_dict()
+    res["salt_after_reload"] = _salt(llm).tag()
+    res["cached_after_reload"] = again("same-reloaded")
     return res
 
 

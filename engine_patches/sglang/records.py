@@ -7,9 +7,10 @@ responses. Streaming: routing arrives only in the final chunk; see
 
 Rows: ``routed_experts`` covers token positions [start_len, seqlen - 1) with seqlen =
 prompt_tokens + completion_tokens; start_len is the request's ``routed_experts_start_len``
-(inferred from the row count when not given). Dense layers are zero-filled: they are
-stripped with the schema, and a non-zero dense row is an error (the schema does not match
-the model). Fused shared-expert columns: the payload's row width is top_k +
+(when not given: 0 if the payload has seqlen - 1 rows, else refused as ambiguous). Dense
+layers are zero-filled: they are stripped with the schema, and a non-zero dense row is an
+error (the schema does not match the model). Rows never written (expert 0 in every MoE
+layer over a long run) are refused: routereplay.record.check_written_rows. Fused shared-expert columns: the payload's row width is top_k +
 ``num_fused_shared_experts`` as the caller states it (0 for SGLang 0.5.23, which strips
 them), never guessed from the byte count; the fused columns (``-1`` padding or shared
 expert ids >= num_experts) are dropped.
@@ -22,7 +23,7 @@ import numpy as np
 
 from routereplay import wire
 from routereplay.errors import RecordError
-from routereplay.record import RoutingRecord, checked_moe_ids
+from routereplay.record import RoutingRecord, check_written_rows, checked_moe_ids
 from routereplay.schema import RoutingSchema
 from routereplay.weight_versions import output_spans_to_rows
 
@@ -93,9 +94,10 @@ def _record_from_response(resp: Mapping[str, Any], schema: RoutingSchema, *,
         resp: a ``/generate`` or OpenAI response dict (routereplay.wire.sglang_fields).
         start_len: the request's ``routed_experts_start_len``; None takes it from the
             response if a client stored it there (``routed_experts_start_len`` next to
-            ``meta_info``), else infers it from the row count (seqlen - 1 - rows). NOTE: an
-            inferred start cannot tell a truncated payload from a later start; pass the
-            start whenever it is known.
+            ``meta_info``), else only from a row count that leaves one possibility:
+            seqlen - 1 rows (start 0, complete). NOTE: any other count fits a later start
+            as well as a payload truncated by as many rows, so it is refused (naming both);
+            the clients of engine_patches.sglang.client always pass the start they sent.
         prompt_ids: the request's prompt token ids, to store token_ids (prompt + output).
         sample_id: record id; default the request id (meta_info ``id``, or the OpenAI
             response ``id``).
@@ -113,8 +115,10 @@ def _record_from_response(resp: Mapping[str, Any], schema: RoutingSchema, *,
     Raises:
         RecordError: naming the request: routed_experts missing (says which flag), not
             base64, a row count that does not fit the token counts (a row-count mismatch),
-            start_len greater than the prompt length, ids out of range, non-zero routing
-            on a layer the schema calls dense.
+            start_len greater than the prompt length, no start_len with fewer than
+            seqlen - 1 rows (the start is ambiguous), ids out of range, non-zero routing on
+            a layer the schema calls dense, a run of rows never written
+            (routereplay.record.check_written_rows).
     """
     f = wire.sglang_fields(resp)
     rid = str(f.id if f.id is not None else sample_id)
@@ -143,12 +147,15 @@ def _record_from_response(resp: Mapping[str, Any], schema: RoutingSchema, *,
         # NOTE: the row count decides the start here; one that no start in [0, prompt
         # length] explains is a row-count mismatch, not a bad start.
         lo, hi = max(0, seqlen - 1 - prompt_len), seqlen - 1
-        if not lo <= rows <= hi:
-            nbytes = rows * schema.num_hidden_layers * (schema.top_k + num_fused_shared_experts) * 4
-            fits = [f for f in range(wire.MAX_FUSED_SHARED_EXPERTS + 1)
-                    if f != num_fused_shared_experts
-                    and nbytes % (row := 4 * schema.num_hidden_layers * (schema.top_k + f)) == 0
-                    and lo <= nbytes // row <= hi]
+        nbytes = rows * schema.num_hidden_layers * (schema.top_k + num_fused_shared_experts) * 4
+        inside = lo <= rows <= hi
+        # widths that would make the payload a row count the tokens allow (outside that
+        # range) or the one unambiguous count (inside it)
+        fits = [f for f in range(wire.MAX_FUSED_SHARED_EXPERTS + 1)
+                if f != num_fused_shared_experts
+                and nbytes % (row := 4 * schema.num_hidden_layers * (schema.top_k + f)) == 0
+                and (nbytes // row == hi if inside else lo <= nbytes // row <= hi)]
+        if not inside:
             raise RecordError(
                 f"request {rid!r}: routing row-count mismatch: {rows} rows for {prompt_len} "
                 f"prompt + {gen} output tokens; routed_experts covers [start_len, seqlen - 1) "
@@ -156,7 +163,22 @@ def _record_from_response(resp: Mapping[str, Any], schema: RoutingSchema, *,
                 + (f" (rows of width top_k + {fits[0]} would fit: does the payload carry "
                    f"fused shared-expert columns? pass num_fused_shared_experts={fits[0]})"
                    if fits else ""))
-        start_len = seqlen - 1 - rows
+        if rows != seqlen - 1:
+            # NOTE: seqlen - 1 - rows missing rows are a later start or a truncated payload,
+            # and the bytes cannot tell which: placing them by a guess puts every row at
+            # another token's position (rows 12-26 standing for 0-14).
+            gap = seqlen - 1 - rows
+            raise RecordError(
+                f"request {rid!r}: {rows} routing rows for {prompt_len} prompt + {gen} output "
+                f"tokens ({seqlen - 1} rows from position 0) and no start_len: start_len "
+                f"{gap} with complete rows, or start_len 0 with a payload truncated by {gap} "
+                f"rows (or a start in between); pass start_len= (the request's "
+                "routed_experts_start_len; saved responses: store it as "
+                '"routed_experts_start_len" next to meta_info)'
+                + (f"; rows of width top_k + {fits[0]} would be the complete {hi}: pass "
+                   f"num_fused_shared_experts={fits[0]} if the payload carries fused "
+                   "shared-expert columns" if fits else ""))
+        start_len = 0
     ids = checked_moe_ids(np.ascontiguousarray(full), schema, sid, start=start_len,
                           id_hint=wire.sglang_id_hint(schema.num_experts, num_fused_shared_experts))
     spans = f.weight_versions
@@ -200,6 +222,7 @@ def _record_from_response(resp: Mapping[str, Any], schema: RoutingSchema, *,
                         weight_versions=versions, recomputed=recomputed,
                         prefix_cached=[(0, cached)] if cached else [], engine=engine)
     rec.validate(schema)
+    check_written_rows(ids, sid, start_len)
     return rec
 
 

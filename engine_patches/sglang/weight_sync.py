@@ -28,25 +28,42 @@ order). Frameworks with their own update path call :meth:`SGLangWeightSync.after
 the first version. SGLang reloads experts into its current EPLB placement itself, so no
 replica refresh follows.
 
+One label per update: :meth:`SGLangWeightSync.sync` and
+:meth:`SGLangWeightSync.after_weight_update` first read the server's weight version (``GET
+/model_info``; ``GET /get_model_info`` where the server answers 404, SGLang releases before
+``/model_info``; SGLang starts at ``"default"``, which counts) and refuse an update under
+that label with WeightSyncError before anything is sent that pauses or changes the server
+(:func:`routereplay.weight_sync.check_new_version`). Where the server reports no version
+(neither endpoint served, e.g. a router in front of it, or no ``weight_version`` field),
+the label this object last set counts. A failed read is a WeightSyncError (the server was
+not paused). ``reload_same_version=True`` runs the update anyway, for a deliberate reload
+of the same version: the prefix cache is flushed as in any update (so, as there, in keep
+and retract mode requests admitted before the late flush can still hit old-weight
+prefixes); the label stays.
+
 Endpoints and fields: SGLang 0.5.23 ``entrypoints/http_server.py`` and
 ``managers/io_struct.py`` (``PauseGenerationReqInput``, ``UpdateWeightFromDiskReqInput``,
 ``UpdateWeightsFromTensorReqInput``, ``UpdateWeightsFromDistributedReqInput``,
-``UpdateWeightVersionReqInput``, ``ContinueGenerationReqInput``).
+``UpdateWeightVersionReqInput``, ``ContinueGenerationReqInput``; ``/model_info``'s
+``weight_version``).
 """
 from __future__ import annotations
 
+import re
 import time
 from typing import Any
 
 from engine_patches.sglang import http
 from routereplay.errors import ConfigError, RouteReplayError, WeightSyncError
 from routereplay.weight_sync import (FromCheckpoint, FromDistributed, FromTensors, SyncReport,
-                                     check_mode, check_source, deprecated)
+                                     check_mode, check_new_version, check_source, deprecated)
 
 MODES = ("abort", "wait", "keep", "retract")
 _PAUSE = {"abort": "abort", "keep": "in_place", "retract": "retract"}
 __all__ = ["SGLangWeightSync", "FromCheckpoint", "FromTensors", "FromDistributed", "SyncReport",
            "WeightSyncError", "FromDisk", "FromTensor"]
+_VERSION_READS = ("/model_info", "/get_model_info")      # SGLang 0.5.23; before /model_info
+_NOT_SERVED = re.compile(r": HTTP (404|405|501): ")       # http._exchange's status errors
 
 
 class FromDisk(FromCheckpoint):
@@ -111,11 +128,16 @@ class SGLangWeightSync:
             reply is an ``SGLangHTTPError`` (a ``WeightSyncError`` from :meth:`sync`).
         initial_version: if given, set as the server's weight version now
             (:meth:`set_version`).
+
+    Attributes:
+        version: the label this object last set on the server (None before any); counts as
+            the current version only where the server reports none.
     """
 
     def __init__(self, base_url: str, *, timeout: float = 600.0,
                  initial_version: str | None = None):
         self.base_url, self.timeout = base_url, timeout
+        self.version: str | None = None
         if initial_version is not None:
             self.set_version(initial_version)
 
@@ -147,7 +169,27 @@ class SGLangWeightSync:
                                                     "abort_all_requests": False})
         if isinstance(res, dict) and res.get("success") is False:
             raise WeightSyncError(f"/update_weight_version: {res.get('message', 'failed')}")
+        self.version = str(new_version)
         return res
+
+    def current_version(self) -> str | None:
+        """The server's weight version: ``weight_version`` of ``GET /model_info`` (``GET
+        /get_model_info`` where that answers HTTP 404/405/501); where the server reports
+        none (neither served, or no such field), :attr:`version`.
+
+        Raises:
+            SGLangHTTPError: a read failed otherwise (status, transport, bad reply).
+        """
+        for path in _VERSION_READS:
+            try:
+                info = self._post(path, None, method="GET")
+            except http.SGLangHTTPError as e:
+                if _NOT_SERVED.search(str(e)):
+                    continue
+                raise
+            v = info.get("weight_version") if isinstance(info, dict) else None
+            return self.version if v is None else str(v)
+        return self.version
 
     def set_version(self, version: str) -> None:
         """Set the server's weight version without touching weights (e.g. the first
@@ -162,21 +204,44 @@ class SGLangWeightSync:
                                 "flush_cache": flush_cache, "abort_all_requests": False})
         if isinstance(res, dict) and res.get("success") is False:
             raise WeightSyncError(f"{path}: {res.get('message', 'failed')}")
+        if weight_version is not None:
+            self.version = str(weight_version)
         return res
 
+    def _check_label(self, version: str, reload_same_version: bool, *,
+                     after_update: bool = False) -> None:
+        """Read the server's version and refuse ``version`` if it is that one; before
+        anything that pauses or changes the server."""
+        try:
+            current = self.current_version()
+        except RouteReplayError as e:
+            what = "after_weight_update" if after_update else "weight sync"
+            raise WeightSyncError(f"{what} to version {str(version)!r} failed at reading the "
+                                  f"server's weight version: {e}. Nothing was sent that pauses "
+                                  "or changes the server.") from None
+        check_new_version(str(version), current, reload_same_version=reload_same_version,
+                          after_update=after_update)
+
     # -- composable step for frameworks with their own update path
-    def after_weight_update(self, version: str, *, drain_timeout_s: float = 60.0) -> SyncReport:
+    def after_weight_update(self, version: str, *, drain_timeout_s: float = 60.0,
+                            reload_same_version: bool = False) -> SyncReport:
         """What must follow an update the caller made itself (its own
         ``/update_weights_from_*`` call without ``weight_version``, or another path): set
         the weight version, then flush the prefix cache so no later request is served
         prefix rows computed with the old weights (``/flush_cache?timeout=`` waits for
         running requests to drain).
 
+        Args:
+            reload_same_version: allow ``version`` to be the server's current weight version
+                (a deliberate reload of it; see the module doc).
         Raises:
-            WeightSyncError: naming the failed step; the version may already be set.
+            WeightSyncError: ``version`` is the server's current weight version (without
+                ``reload_same_version``; nothing is sent), or naming the failed step; the
+                version may already be set.
         """
         rep = SyncReport(version=str(version), mode="none")
         t = time.perf_counter()
+        self._check_label(version, reload_same_version, after_update=True)
         step = "/update_weight_version"
         try:
             self.update_weight_version(version)
@@ -195,15 +260,21 @@ class SGLangWeightSync:
     # -- the whole sequence
     def sync(self, source: FromCheckpoint | FromTensors | FromDistributed | None, version: str, *,
              mode: str = "abort", allow_retract: bool = False,
-             drain_timeout_s: float = 60.0) -> SyncReport:
+             drain_timeout_s: float = 60.0, reload_same_version: bool = False) -> SyncReport:
         """Pause, update (or only bump the version when ``source`` is None), resume.
 
+        Args:
+            reload_same_version: allow ``version`` to be the server's current weight version
+                (a deliberate reload of it; see the module doc).
         Returns:
-            the report; ``calls`` lists the endpoints called, in order.
+            the report; ``calls`` lists the endpoints called, in order (not the version
+            read before the pause).
         Raises:
             ConfigError: unknown mode, ``retract`` without ``allow_retract``, or a bad
                 source (naming it), before anything is sent to the server.
-            WeightSyncError: a step failed (naming it); a paused server is resumed first.
+            WeightSyncError: ``version`` is the server's current weight version (without
+                ``reload_same_version``) or the version read failed, before the pause; a
+                step failed (naming it); a paused server is resumed first.
         """
         check_mode(mode, MODES)
         if mode == "retract" and not allow_retract:
@@ -212,6 +283,7 @@ class SGLangWeightSync:
                               "use 'abort' or 'keep', or pass allow_retract=True")
         check_source(source, allow_none=True)
         endpoint = None if source is None else _endpoint(source)[0]   # NOTE: before the pause
+        self._check_label(version, reload_same_version)
         rep = SyncReport(version=str(version), mode=mode)
         calls = rep.calls
         paused = False

@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 
 from routereplay.errors import RecordError
-from routereplay.record import RoutingRecord, checked_moe_ids
+from routereplay.record import RoutingRecord, check_written_rows, checked_moe_ids
 from routereplay.schema import RoutingSchema
 from routereplay.weight_versions import output_spans_to_rows
 
@@ -53,7 +53,9 @@ def record_from_output(output: Any, schema: RoutingSchema, *, sample_id: str | N
         positions (prompt rows take the version of the first output span).
     Raises:
         RecordError: routing missing (engine started without --enable-return-routed-experts
-            or request aborted), wrong row count, bad ids (names sample, token, layer).
+            or request aborted), wrong row count, bad ids (names sample, token, layer), a
+            run of rows never written (expert 0 in every MoE layer:
+            routereplay.record.check_written_rows, naming the token span).
     """
     c = output.outputs[0]
     sid = sample_key(str(sample_id if sample_id is not None else output.request_id), attempt,
@@ -78,7 +80,8 @@ def record_from_parts(sid: str, schema: RoutingSchema, *, prompt: list[int], gen
             token) or None.
         weight_versions: ``CompletionOutput.weight_versions`` (spans over output tokens).
     Raises:
-        RecordError: naming the sample (routing missing, wrong row count, bad ids).
+        RecordError: naming the sample (routing missing, wrong row count, bad ids, rows
+            never written: routereplay.record.check_written_rows).
     """
     full = routed_experts
     if full is None:
@@ -131,4 +134,5 @@ def record_from_parts(sid: str, schema: RoutingSchema, *, prompt: list[int], gen
         raise RecordError(f"sample {sid!r}: malformed {part} from the engine "
                           f"({type(e).__name__}: {e})"[:500]) from None
     rec.validate(schema)
+    check_written_rows(ids, sid, start)
     return rec

