@@ -78,7 +78,8 @@ def schema_from_args(config: str | None = None, num_experts: int | None = None,
         raise SchemaError("give --moe-layers or --num-layers with --num-experts/--top-k")
     if moe_layers is None and int(num_layers) > MAX_LAYER_IDS:
         raise SchemaError(f"--num-layers {num_layers} (every layer MoE): above the "
-                          f"{MAX_LAYER_IDS} MoE layers a sidecar header can list")
+                          f"{MAX_LAYER_IDS} MoE layers a sidecar header could list (an "
+                          "upper bound: each takes at least 2 bytes of its 1 MiB of JSON)")
     moe = list(moe_layers) if moe_layers is not None else list(range(int(num_layers)))
     if not moe:
         raise SchemaError("no MoE layers given (--moe-layers is empty)")
@@ -129,8 +130,9 @@ def parse_layers(spec: str) -> list[int]:
                               "a-b of them") from None
         if len(out) + b - a + 1 > MAX_LAYER_IDS:
             raise ConfigError(f"layer list {spec!r}: {part!r} makes {len(out) + b - a + 1} "
-                              f"layer ids, above the {MAX_LAYER_IDS} a sidecar header can "
-                              "list")
+                              f"layer ids, above the {MAX_LAYER_IDS} a sidecar header could "
+                              "list (an upper bound: each takes at least 2 bytes of its 1 MiB "
+                              "of JSON)")
         out.extend(range(a, b + 1))
     return out
 

@@ -197,7 +197,7 @@ def test_huge_layer_ranges_fail_fast_naming_the_option(tmp_path, schema):
     for extra, want in (
             (["--moe-layers", "0-1000000000"],
              "argument --moe-layers: layer list '0-1000000000': '0-1000000000' makes "
-             "1000000001 layer ids, above the 524288 a sidecar header can list"),
+             "1000000001 layer ids, above the 524288 a sidecar header could list"),
             (["--moe-layers", "1-400000,500000-900000"], "'500000-900000' makes 800001"),
             (["--num-layers", "1000000000"], "--num-layers 1000000000 (every layer MoE)"),
             (["--moe-layers", "0-300000"], "300001 MoE layers take"),    # under the count,

@@ -140,7 +140,8 @@ def test_replace_never_renames_over_a_special_file_or_folder(tmp_path):
     fifo = tmp_path / "pipe"
     os.mkfifo(fifo)
     for dest in (fifo, tmp_path):
-        with pytest.raises(StreamExistsError, match="not a regular file"):
+        with pytest.raises(StreamExistsError, match="exists and is (not a regular file|a "
+                                                    "folder)"):
             SidecarWriter(str(dest), SCHEMA, replace=True)
     assert fifo.is_fifo() and not [p for p in tmp_path.iterdir() if p.name != "pipe"]
 
@@ -219,3 +220,43 @@ def test_a_huge_version_label_never_stops_the_plugin_writing(tmp_path, caplog):
     assert r.complete and len(r.sample_ids()) == 10
     assert "weight_version" not in r.header["extra"]
     assert "weight_version is 2097152 characters long" in caplog.text
+
+
+def test_replace_keeps_the_old_stream_when_the_with_block_raises_and_refuses_links(tmp_path):
+    """(Newcomer review) a `with SidecarWriter(p, replace=True)` block left by an exception
+    closes the new stream under its .partial name and leaves p as it was; a symbolic link
+    at p is refused (renamed over, the link would become a file, its target unchanged); a
+    fsspec URL is replaced by a move on close, not written over in place."""
+    import fsspec
+    path = tmp_path / "step.rrsc"
+    ids = np.array([[[0, 1]] * 4] * 3, np.uint8)
+    with SidecarWriter(str(path), SCHEMA) as w:
+        w.write(RoutingRecord("old", ids))
+    old = path.read_bytes()
+    with pytest.raises(RuntimeError, match="caller"):
+        with SidecarWriter(str(path), SCHEMA, replace=True) as w:
+            w.write(RoutingRecord("new", ids))
+            raise RuntimeError("the caller failed")
+    assert path.read_bytes() == old
+    (partial,) = [p for p in tmp_path.iterdir() if p.name.endswith(".partial")]
+    assert SidecarReader(str(partial)).sample_ids() == ["new"]
+    link = tmp_path / "link.rrsc"
+    link.symlink_to(path)
+    for kw in ({}, {"replace": True}):
+        with pytest.raises(StreamExistsError, match="is a symbolic link"):
+            SidecarWriter(str(link), SCHEMA, **kw)
+    assert link.is_symlink() and path.read_bytes() == old
+    with pytest.raises(StreamExistsError, match="is a folder"):
+        SidecarWriter(str(tmp_path), SCHEMA)
+    url = "memory://lifecycle-replace/s.rrsc"
+    with fsspec.open(url, "wb") as f:
+        f.write(old)
+    w = SidecarWriter(url, SCHEMA, replace=True)
+    w.write(RoutingRecord("new", ids))
+    w.flush()
+    with fsspec.open(url, "rb") as f:
+        assert f.read() == old                       # not written over while the writer runs
+    w.close()
+    assert SidecarReader(url).sample_ids() == ["new"]
+    fs = fsspec.filesystem("memory")
+    assert [p for p in fs.ls("/lifecycle-replace", detail=False) if "partial" in p] == []

@@ -81,13 +81,15 @@ async def _read(r: Any, max_bytes: int, what: str) -> bytearray:
     cl = r.headers.get("content-length")
     if cl is not None and cl.isdigit() and int(cl) > max_bytes:
         raise SGLangHTTPError(f"{what}: reply announces {int(cl)} bytes, more than the "
-                              f"{max_bytes}-byte bound")
+                              f"{max_bytes}-byte bound (pass max_reply_bytes= for replies the "
+                              "bound does not foresee)")
     buf = bytearray()
     async for chunk in r.aiter_raw():
         buf += chunk
         if len(buf) > max_bytes:
             raise SGLangHTTPError(f"{what}: reply passes the {max_bytes}-byte bound "
-                                  f"(stopped after reading {len(buf)} bytes)")
+                                  f"(stopped after reading {len(buf)} bytes; pass "
+                                  "max_reply_bytes= for replies the bound does not foresee)")
     return buf
 
 

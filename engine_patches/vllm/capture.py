@@ -147,7 +147,8 @@ class Streamer:
         if not os.path.isdir(parent):
             raise RouteReplayError(f"{ENV_SIDECAR}={d!r}: folder {parent} does not exist")
         if os.path.lexists(d):
-            return self._unique_base(d, "exists")
+            return self._unique_base(d, "exists (an earlier run's stream, or another "
+                                        "API-server process's)")
         return d
 
     def _unique_base(self, path: str, why: str) -> str:
@@ -156,9 +157,8 @@ class Streamer:
         ever written over it (several API servers given one file path, or a restart)."""
         stem, ext = os.path.splitext(path)
         base = unique_stream_stem(stem) + (ext or ".rrsc")
-        log.warning("routereplay: %s=%s %s (an earlier run's stream, or another API-server "
-                    "process's): this process writes its streams as %s instead; give a folder "
-                    "for one stream per process", ENV_SIDECAR, path, why, base)
+        log.warning("routereplay: %s=%s %s: this process writes its streams as %s instead; "
+                    "give a folder for one stream per process", ENV_SIDECAR, path, why, base)
         return base
 
     def check_codec(self) -> None:
@@ -206,7 +206,8 @@ class Streamer:
             except StreamExistsError:
                 # NOTE: created exclusively: another process took the name since start-up
                 # (API servers sharing a file path); never written over, a unique base instead
-                self.base = self._unique_base(self.base, f"was taken ({self.path})")
+                self.base = self._unique_base(self.base, f"({self.path}) was taken by another "
+                                              "process since start-up")
                 self.path = self._path(self.seq)
                 self.writer = SidecarWriter(self.path, self.schema, **kw)
         return self.writer

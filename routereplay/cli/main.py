@@ -559,7 +559,8 @@ def _convert(a: argparse.Namespace, schema) -> int:
     through = local and _write_through(a.out)
     dest = a.out if not local else None if through else _new_sibling(a.out)
     nothing = (f"{a.out} got a stream of no records" if through else
-               f"nothing written to {a.out}")
+               f"nothing written to {a.out}" if local else
+               f"{a.out} left as it was (what was written is in a .partial beside it)")
     n = tokens = 0
     interrupted = False
     # NOTE: records are written as they are read; on a bad sample the writer still closes
@@ -617,8 +618,8 @@ def _convert(a: argparse.Namespace, schema) -> int:
                            layer_group=a.layer_group, token_block=a.token_block,
                            format_version=a.format_version,
                            extra_header=extra or {"source": a.kind},
-                           # NOTE: an --out URL is replaced as a local --out is (by a
-                           # rename there); the writer refuses existing ones otherwise
+                           # NOTE: an --out URL is replaced as a local --out is: the
+                           # writer writes beside it and moves it over on close
                            replace=not local, **seed) as w:
             for rec in _progress(records, a, desc="convert", unit="record"):
                 w.write(rec)

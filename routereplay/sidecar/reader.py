@@ -731,13 +731,16 @@ class SidecarReader:
                 continue
             found = self._by_id.get(entry.sample_id)
             found = found if found is not None and found.meta is not None else None
-            why = ("its frame there is corrupt" if fi is not None and fi.error else
+            floor = fi is not None and fi.error is not None and "reader's floor" in fi.error
+            why = ("its frame there is below the reader's floors (readable with floors=False, "
+                   "`--no-floors`: an earlier writer's stream)" if floor else
+                   "its frame there is corrupt" if fi is not None and fi.error else
                    f"the frame there holds sample {fi.meta.sample_id!r}" if fi is not None else
                    "no record frame starts there")
             msg = (f"sample {entry.sample_id!r} is listed in the index at offset "
                    f"{entry.offset} but {why}"
                    + (f"; found at offset {found.offset}" if found is not None
-                      else "; the record is missing from the stream"))
+                      else "" if floor else "; the record is missing from the stream"))
             self._error(msg)
             if found is None and entry.sample_id not in self._corrupt:
                 self._missing[entry.sample_id] = msg

@@ -227,10 +227,12 @@ class SidecarWriter:
         replace: replace an existing stream at ``dest`` on purpose (a path or URL). Local
             paths: the new stream is written to a new sibling ``<dest>.<random>.partial``
             and renamed over ``dest`` by :meth:`close` (atomic: readers of ``dest`` see the
-            old stream until then; a writer killed before close leaves ``dest`` as it was
-            and its records in the ``.partial`` file, which readers recover as a torn
-            stream). An existing ``dest`` that is not a regular file (a folder, FIFO,
-            device, socket) is refused even then. URLs: written over in place.
+            old stream until then; a writer killed before close, whose writer thread
+            failed, or whose ``with`` block raised leaves ``dest`` as it was and its
+            records in the ``.partial`` file, which readers recover). An existing ``dest``
+            that is not a regular file (a folder, symbolic link, FIFO, device, socket) is
+            refused even then. URLs: the same, ``fs.mv`` on close (on object stores a copy
+            and a delete: not atomic, but ``dest`` is never half-written).
         schema: routing schema of every record.
         token_block, layer_group: the version-3 section grid: routing sections of
             ``token_block`` rows (B, default 512) x ``layer_group`` MoE layers (G, default
@@ -377,6 +379,7 @@ class SidecarWriter:
         self._owns_file = True
         self._fsspec_file = None
         self._partial: tuple[str, str] | None = None       # (partial path, dest): replace=True
+        self._abandon = False                               # keep the .partial name on close
         if dest is None:
             self._f: BinaryIO = io.BytesIO()
         elif isinstance(dest, (str, os.PathLike)) and "://" not in os.fspath(dest):
@@ -391,7 +394,13 @@ class SidecarWriter:
                 raise StreamExistsError(f"sidecar destination {url} exists: a writer never "
                                         "overwrites a stream (write a new name, or pass "
                                         "replace=True to replace it on purpose)", path=url)
-            self._fsspec_file = fsspec.open(url, "wb")
+            target = url
+            if replace:
+                # NOTE: as for local paths, written beside it and moved over it on close
+                # (fs.mv: a copy and a delete on object stores, never a half-written dest)
+                target = f"{url}.{secrets.token_hex(6)}.partial"
+                self._partial = (target, url)
+            self._fsspec_file = fsspec.open(target, "wb")
             self._f = self._fsspec_file.open()
         else:
             self._f, self._owns_file = dest, False
@@ -433,15 +442,19 @@ class SidecarWriter:
     def _create(self, path: str, replace: bool) -> BinaryIO:
         """Open a new local file for the stream: ``path`` itself, created exclusively, or
         (``replace``) a new ``.partial`` sibling that :meth:`close` renames over it."""
+        try:
+            st = os.lstat(path)
+        except FileNotFoundError:
+            st = None
+        if st is not None and not stat.S_ISREG(st.st_mode):
+            # NOTE: a symbolic link too: renamed over, the link would become a file and
+            # its target stay as it was (the CLI refuses links for the same reason)
+            kind = ("a symbolic link" if stat.S_ISLNK(st.st_mode) else
+                    "a folder" if stat.S_ISDIR(st.st_mode) else "not a regular file")
+            raise StreamExistsError(f"sidecar destination {path} exists and is {kind}: a "
+                                    "writer never replaces it, even with replace=True (give "
+                                    "a new path)", path=path)
         if replace:
-            try:
-                st = os.stat(path)
-            except FileNotFoundError:
-                st = None
-            if st is not None and not stat.S_ISREG(st.st_mode):
-                raise StreamExistsError(f"sidecar destination {path} exists and is not a "
-                                        "regular file: a writer never replaces it, even with "
-                                        "replace=True", path=path)
             partial = f"{path}.{secrets.token_hex(6)}.partial"
             f = open(partial, "xb")
             self._partial = (partial, path)
@@ -523,13 +536,19 @@ class SidecarWriter:
                 self._f.close()
                 if self._fsspec_file is not None:
                     self._fsspec_file.close()
-        if self._partial is not None and self._error is None:
+        if self._partial is not None and self._error is None and not self._abandon:
             # NOTE: only a closed (indexed) stream replaces the old one, in one rename; after
-            # a background error the old stream stays and the new one keeps its .partial name
+            # a background error, or an exception in the caller's `with` block, the old
+            # stream stays and the new one keeps its .partial name
             partial, path = self._partial
-            os.replace(partial, path)
-            if self._fsync != "never":
-                _fsync_dir(os.path.dirname(os.path.abspath(path)))
+            if self._fsspec_file is not None:
+                import fsspec
+                fs, src = fsspec.core.url_to_fs(partial)
+                fs.mv(src, fsspec.core.url_to_fs(path)[1])
+            else:
+                os.replace(partial, path)
+                if self._fsync != "never":
+                    _fsync_dir(os.path.dirname(os.path.abspath(path)))
         self._raise_bg()
 
     def getvalue(self) -> bytes:
@@ -553,7 +572,10 @@ class SidecarWriter:
     def __enter__(self) -> "SidecarWriter":
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, exc_type, *exc) -> None:
+        # NOTE: a `with` block left by an exception closes the stream (every record written
+        # stays readable) but, with replace=True, does not put it in place of the old one
+        self._abandon = exc_type is not None
         self.close()
 
     # -- internals
