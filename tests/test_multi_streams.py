@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 
 from routereplay.errors import SidecarError
+from routereplay.schema import RoutingSchema
 from routereplay.sidecar import MultiSidecarReader, SidecarWriter, write_records
 from tests.conftest import REPO, random_record
 
@@ -129,7 +130,7 @@ def test_a_closed_stream_is_reopened_only_if_it_is_the_same_stream(tmp_path, sch
     # v1 replaced by another stream (its own stream_id) while closed
     write_records(paths[1] + ".new", schema, [recs[1]])
     os.replace(paths[1] + ".new", paths[1])
-    with pytest.raises(SidecarError, match=r"v1\.rrsc: its header changed"):
+    with pytest.raises(SidecarError, match=r"v1\.rrsc: (it is another file now|its header changed)"):
         m.read("s1")
     os.remove(paths[2])
     with pytest.raises(SidecarError, match=r"v2\.rrsc: cannot open"):
@@ -211,3 +212,25 @@ def test_one_weight_versions_streams_out_of_a_servers_folder(tmp_path):
     with pytest.raises(ConfigError, match=r"of weight version 'step-9' \(3 of others: "
                                           r"\['step-0', 'step-1', 'step-2'\]\)"):
         open_sidecar(str(tmp_path), weight_version="step-9")
+
+
+def test_a_stream_swapped_for_a_copy_of_its_header_and_size_is_refused_on_reopen(tmp_path):
+    """(Attacker review) with max_open=1 a closed stream replaced by another file holding
+    the original's header bytes (its random stream_id included) and its size read other
+    routing silently; the reopen now checks the file itself (device, inode)."""
+    schema = RoutingSchema(4, (0, 1, 2, 3), 2, 8)
+    import numpy as np
+    from routereplay import RoutingRecord
+    for name, v in (("s0", 1), ("s1", 2)):
+        ids = np.zeros((5, 4, 2), np.uint8)
+        ids[..., 1] = v
+        write_records(str(tmp_path / f"{name}.rrsc"), schema, [RoutingRecord(f"k-{name}", ids)])
+    r = MultiSidecarReader(str(tmp_path), max_open=1)
+    assert int(r.read("k-s0").expert_ids[0, 0, 1]) == 1
+    r.read("k-s1")                                    # s0 closed by the bound
+    data = (tmp_path / "s0.rrsc").read_bytes()
+    forged = bytearray(data)
+    (tmp_path / "s0.rrsc").unlink()
+    (tmp_path / "s0.rrsc").write_bytes(bytes(forged))  # same bytes, another file
+    with pytest.raises(SidecarError, match="another file now"):
+        r.read("k-s0")

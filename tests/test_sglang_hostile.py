@@ -27,7 +27,8 @@ FIX = json.load(open(os.path.join(os.path.dirname(__file__), "fixtures", "sglang
 SCHEMA = RoutingSchema.from_hf_config(FIX["config"])
 BASIC = FIX["cases"]["basic"]
 PAYLOAD = {"input_ids": BASIC["prompt_ids"], "sampling_params": {"max_new_tokens": 4}}
-DEPTH = 100_000
+DEPTH = 5_000                   # deeper than Python's parser recurses; padded below so that
+PAD = b" " * (DEPTH * 16)       # the bracket count stays within the container bound
 TRICKLE_STEP_S, TRICKLE_S = 0.25, 6.0
 HUGE = 200 << 20
 CHUNK = b" " * (1 << 20)
@@ -64,7 +65,10 @@ class _Hostile(socketserver.StreamRequestHandler):
         self._send(self._head()[:-2], json.dumps(BASIC["response"]).encode())
 
     def nested(self, path):
-        self._send(self._head()[:-2], b"[" * DEPTH + b"]" * DEPTH)
+        self._send(self._head()[:-2], b"[" * DEPTH + PAD + b"]" * DEPTH)
+
+    def containers(self, path):                 # 3 bytes a container: ~27x as Python objects
+        self._send(self._head()[:-2], b'{"meta_info": [' + b"{}," * 200_000 + b"{}]}")
 
     def binary(self, path):
         self._send(self._head()[:-2], b'{"text": "\xff\xfe"}')
@@ -130,6 +134,21 @@ def _names_the_request(kind, err):
     assert isinstance(err, SGLangHTTPError), repr(err)[:300]
     want = "POST /pause_generation" if kind == "weight_sync" else "POST /generate (sample 'h1')"
     assert want in str(err), str(err)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_json_of_mostly_containers_is_refused_before_parsing(hostile, kind):
+    """(Attacker review) a reply within the size bound whose JSON is nearly all objects
+    (`[{},{},...]`) cost 27x its bytes once parsed (+746 MiB from 28 MiB): refused by its
+    bracket count before json.loads."""
+    import tracemalloc
+    tracemalloc.start()
+    err, wall = _call(kind, hostile + "/containers")
+    peak = tracemalloc.get_traced_memory()[1]
+    tracemalloc.stop()
+    _names_the_request(kind, err)
+    assert "200003 objects or arrays, more than one per 16 bytes" in str(err), str(err)
+    assert peak < 8 * 600_000 + (4 << 20), peak          # not the ~16 MB a parse would take
 
 
 @pytest.mark.parametrize("kind", KINDS)

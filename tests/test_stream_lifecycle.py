@@ -260,3 +260,45 @@ def test_replace_keeps_the_old_stream_when_the_with_block_raises_and_refuses_lin
     assert SidecarReader(url).sample_ids() == ["new"]
     fs = fsspec.filesystem("memory")
     assert [p for p in fs.ls("/lifecycle-replace", detail=False) if "partial" in p] == []
+
+
+def test_replace_refuses_a_live_stream_of_another_writer_process(tmp_path):
+    """(Attacker review) writer A holds 20 flushed records and is still running; writer B
+    with replace=True is refused (A's advisory lock), at open and, had A opened later, at
+    close; once A has closed, the replace goes through. Before: B renamed over A's file, A
+    went on writing to an unlinked file, and A's 30 acknowledged records were lost."""
+    path = tmp_path / "live.rrsc"
+    a = _start(path, "a", 20)
+    _wait_flushed(a)
+    with pytest.raises(StreamExistsError, match="is a live stream"):
+        SidecarWriter(str(path), SCHEMA, replace=True)
+    ids = np.array([[[0, 1]] * 4] * 3, np.uint8)
+    other = tmp_path / "other.rrsc"
+    with SidecarWriter(str(other), SCHEMA) as w:
+        w.write(RoutingRecord("x", ids))
+    b = SidecarWriter(str(other), SCHEMA, replace=True)   # other is closed: allowed at open
+    b.write(RoutingRecord("y", ids))
+    holder = open(other, "rb")                            # a writer takes other's lock now
+    import fcntl
+    fcntl.flock(holder.fileno(), fcntl.LOCK_EX)
+    with pytest.raises(StreamExistsError, match="live stream .*the new stream is .*partial"):
+        b.close()
+    holder.close()
+    assert SidecarReader(str(other)).sample_ids() == ["x"]
+    rc, _, err = _finish(a)
+    assert rc == 0, err
+    with SidecarWriter(str(path), SCHEMA, replace=True) as w:
+        w.write(RoutingRecord("z", ids))
+    assert SidecarReader(str(path)).sample_ids() == ["z"]
+
+
+def test_a_folder_planted_before_close_is_a_library_error_and_keeps_the_partial(tmp_path):
+    path = tmp_path / "s.rrsc"
+    ids = np.array([[[0, 1]] * 4] * 3, np.uint8)
+    w = SidecarWriter(str(path), SCHEMA, replace=True)
+    w.write(RoutingRecord("new", ids))
+    path.mkdir()
+    with pytest.raises(StreamExistsError, match="no longer a regular file: not replaced"):
+        w.close()
+    (partial,) = [p for p in tmp_path.iterdir() if p.name.endswith(".partial")]
+    assert SidecarReader(str(partial)).sample_ids() == ["new"]

@@ -47,7 +47,7 @@ RETRY_STATUS = http.RETRY_STATUS
 REPLY_BYTES_PER_TOKEN = 1024       # a token's text, id and logprob entries (JSON), routing aside
 REPLY_BYTES_PER_TOP_LOGPROB = 128  # one [logprob, id, text] alternative of a token
 REPLY_FIXED_BYTES = 1 << 20        # meta_info and the rest of the body
-TEMPLATE_TOKENS = 8192             # tokens a chat template may add to a text prompt
+TEMPLATE_TOKENS = 1024             # tokens a chat template may add to a text prompt
 
 
 def with_routing(payload: Mapping[str, Any], start_len: int = 0) -> dict[str, Any]:
@@ -115,6 +115,12 @@ def _route(payload: Mapping[str, Any], start_len: int, kind: str) -> tuple[str, 
     """(endpoint, body, prompt ids or None) of one request."""
     if kind not in ("generate", "completions", "chat"):
         raise ConfigError(f"unknown request kind {kind!r}")
+    if payload.get("stream"):
+        # NOTE: a streamed reply is server-sent events, not one JSON body; without this it
+        # would fail only after the whole generation, as "reply is not JSON"
+        raise ConfigError("the payload asks for stream=True: this client reads one JSON reply "
+                          "per request; read the stream yourself and pass its chunks to "
+                          "engine_patches.sglang.records.record_from_stream")
     path = {"generate": "/generate", "completions": "/v1/completions",
             "chat": "/v1/chat/completions"}[kind]
     ids = payload.get("input_ids") if kind == "generate" else None
@@ -239,7 +245,9 @@ class AsyncSGLangRoutingClient:
 
         Raises:
             SGLangHTTPError: see :meth:`post`; RecordError: a response without (valid)
-                routing, naming the request.
+                routing, naming the request; ConfigError: an unknown ``kind``, or a payload
+                with ``stream`` set (nothing sent: streams go through
+                engine_patches.sglang.records.record_from_stream).
         """
         path, body, ids = _route(payload, start_len, kind)
         resp = await self.post(

@@ -27,6 +27,7 @@ from routereplay.errors import RouteReplayError
 RETRY_STATUS = (502, 503, 504)
 ERROR_BODY_BYTES = 4096        # of an error reply's body, for the message
 CONTROL_REPLY_BYTES = 1 << 20  # control endpoints answer a small JSON object or a line of text
+BYTES_PER_CONTAINER = 16       # a reply's JSON objects and arrays: at most one per this many bytes
 
 
 class SGLangHTTPError(RouteReplayError):
@@ -62,8 +63,19 @@ def decode_reply(what: str, raw: bytes | bytearray, allow_text: bool = False) ->
 
     Raises:
         SGLangHTTPError: naming ``what``: not JSON (or not UTF-8) without ``allow_text``,
-            or JSON nested deeper than Python's parser recurses (a RecursionError there).
+            JSON nested deeper than Python's parser recurses (a RecursionError there), or
+            more objects and arrays than one per ``BYTES_PER_CONTAINER`` bytes (checked
+            before parsing: what is left, numbers, costs at most about 8x the bytes).
     """
+    # NOTE: parsed JSON costs far more than its bytes where it is mostly containers
+    # (`[{},{},...]`: 3 bytes each, ~60 as Python objects: 27x the bound, attacker review);
+    # real replies hold one container per 20+ bytes (log-prob triples) or fewer (routing is
+    # one base64 string). Counting brackets (inside strings too: conservative) is C-speed.
+    containers = raw.count(b"{") + raw.count(b"[")
+    if containers > len(raw) // BYTES_PER_CONTAINER + 1024:
+        raise SGLangHTTPError(f"{what}: reply JSON of {len(raw)} bytes holds {containers} "
+                              f"objects or arrays, more than one per {BYTES_PER_CONTAINER} "
+                              "bytes (its parse would cost many times its size)")
     try:
         return json.loads(raw)
     except RecursionError:

@@ -2,8 +2,9 @@
 
 Accepted response shapes: those of :func:`routereplay.wire.sglang_fields` (``/generate``,
 ``Engine.generate``, the OpenAI endpoints; SGLang 0.5.7 to 0.5.23), the one parser of SGLang
-responses. Streaming: routing arrives only in the final chunk; see
-:func:`record_from_stream`.
+responses. Streaming: :func:`record_from_stream` concatenates every chunk's rows
+(SGLang 0.5.23 sends them all with the final chunk; a server sending rows per chunk is
+assembled the same way) and checks them against the chunks' token counts.
 
 Rows: ``routed_experts`` covers token positions [start_len, seqlen - 1) with seqlen =
 prompt_tokens + completion_tokens; start_len is the request's ``routed_experts_start_len``
@@ -17,6 +18,7 @@ expert ids >= num_experts) are dropped.
 """
 from __future__ import annotations
 
+import base64
 from typing import Any, Iterable, Mapping, Sequence
 
 import numpy as np
@@ -65,9 +67,45 @@ def record_from_response(resp: Mapping[str, Any], schema: RoutingSchema, *,
                          start_len: int | None = None, prompt_ids: Sequence[int] | None = None,
                          sample_id: str | None = None, num_fused_shared_experts: int = 0,
                          engine: str = "sglang") -> RoutingRecord:
-    """See :func:`_record_from_response`. Our own RecordErrors pass through unchanged; any
-    other malformed field (a TypeError/ValueError from deep inside) becomes one RecordError
-    naming the request."""
+    """One SGLang response -> a validated RoutingRecord.
+
+    Args:
+        resp: a ``/generate`` or OpenAI response dict (routereplay.wire.sglang_fields);
+            a stream's chunks: :func:`record_from_stream`.
+        schema: the model's routing schema; the payload is int32 [rows,
+            num_hidden_layers, top_k + num_fused_shared_experts], dense layers stripped.
+        start_len: the request's ``routed_experts_start_len``; None takes it from the
+            response if a client stored it there (``routed_experts_start_len`` next to
+            ``meta_info``), else only from a row count that leaves one possibility:
+            seqlen - 1 rows (start 0, complete). NOTE: any other count fits a later start
+            as well as a payload truncated by as many rows, so it is refused (naming both);
+            the clients of engine_patches.sglang.client always pass the start they sent.
+        prompt_ids: the request's prompt token ids, to store token_ids (prompt + output).
+        sample_id: record id; default the request id (meta_info ``id``, or the OpenAI
+            response ``id``).
+        num_fused_shared_experts: fused shared-expert columns the payload carries per row
+            (0 for SGLang 0.5.23, which strips them).
+        engine: the record's engine label.
+    Returns:
+        record with ids [seqlen - 1 - start_len, L_moe, top_k] (``schema.id_dtype``:
+        uint8 up to 256 experts, else uint16) from position start_len;
+        weight-version spans over token positions (output spans mapped as in
+        routereplay.weight_versions; prompt rows take the first span's version; a single
+        ``weight_version`` covers every row); ``recomputed`` = every row when
+        ``num_retractions > 0`` (SGLang re-prefills a retracted request, overwriting its
+        routes with ones computed later, possibly under new weights, while the log-probs
+        of the tokens sampled before the retract came from the old routes), and those rows
+        then carry the last span's version; ``prefix_cached`` = [0, cached_tokens).
+    Raises:
+        RecordError: naming the request: routed_experts missing (says which flag), not
+            base64, a row count that does not fit the token counts (a row-count mismatch),
+            start_len greater than the prompt length, no start_len with fewer than
+            seqlen - 1 rows (the start is ambiguous), ids out of range, non-zero routing on
+            a layer the schema calls dense, a run of rows never written
+            (routereplay.record.check_written_rows); any other malformed field (one that
+            is not a number, list or object where SGLang sends one) as one RecordError
+            naming the request, the field's exception named.
+    """
     try:
         return _record_from_response(resp, schema, start_len=start_len, prompt_ids=prompt_ids,
                                      sample_id=sample_id,
@@ -88,38 +126,7 @@ def _record_from_response(resp: Mapping[str, Any], schema: RoutingSchema, *,
                           start_len: int | None = None, prompt_ids: Sequence[int] | None = None,
                           sample_id: str | None = None, num_fused_shared_experts: int = 0,
                           engine: str = "sglang") -> RoutingRecord:
-    """One SGLang response -> a validated RoutingRecord.
-
-    Args:
-        resp: a ``/generate`` or OpenAI response dict (routereplay.wire.sglang_fields).
-        start_len: the request's ``routed_experts_start_len``; None takes it from the
-            response if a client stored it there (``routed_experts_start_len`` next to
-            ``meta_info``), else only from a row count that leaves one possibility:
-            seqlen - 1 rows (start 0, complete). NOTE: any other count fits a later start
-            as well as a payload truncated by as many rows, so it is refused (naming both);
-            the clients of engine_patches.sglang.client always pass the start they sent.
-        prompt_ids: the request's prompt token ids, to store token_ids (prompt + output).
-        sample_id: record id; default the request id (meta_info ``id``, or the OpenAI
-            response ``id``).
-        num_fused_shared_experts: fused shared-expert columns the payload carries per row
-            (0 for SGLang 0.5.23, which strips them).
-    Returns:
-        record with ids [seqlen - 1 - start_len, L_moe, top_k] from position start_len;
-        weight-version spans over token positions (output spans mapped as in
-        routereplay.weight_versions; prompt rows take the first span's version; a single
-        ``weight_version`` covers every row); ``recomputed`` = every row when
-        ``num_retractions > 0`` (SGLang re-prefills a retracted request, overwriting its
-        routes with ones computed later, possibly under new weights, while the log-probs
-        of the tokens sampled before the retract came from the old routes), and those rows
-        then carry the last span's version; ``prefix_cached`` = [0, cached_tokens).
-    Raises:
-        RecordError: naming the request: routed_experts missing (says which flag), not
-            base64, a row count that does not fit the token counts (a row-count mismatch),
-            start_len greater than the prompt length, no start_len with fewer than
-            seqlen - 1 rows (the start is ambiguous), ids out of range, non-zero routing on
-            a layer the schema calls dense, a run of rows never written
-            (routereplay.record.check_written_rows).
-    """
+    """The work of :func:`record_from_response`; foreign exceptions pass out."""
     f = wire.sglang_fields(resp)
     rid = str(f.id if f.id is not None else sample_id)
     if f.num_choices > 1:
@@ -226,42 +233,162 @@ def _record_from_response(resp: Mapping[str, Any], schema: RoutingSchema, *,
     return rec
 
 
-def record_from_stream(chunks: Iterable[Mapping[str, Any]], schema: RoutingSchema,
+def _chunk_count(v: Any) -> int | None:
+    return v if isinstance(v, int) and not isinstance(v, bool) and v >= 0 else None
+
+
+def record_from_stream(chunks: Iterable[Mapping[str, Any]], schema: RoutingSchema, *,
+                       start_len: int | None = None, num_fused_shared_experts: int = 0,
                        **kw: Any) -> RoutingRecord:
-    """Streamed /generate chunks (or OpenAI stream chunks) -> record.
+    """One request's streamed ``/generate`` chunks (or OpenAI stream chunks, JSON-decoded
+    ``data:`` lines) -> a validated record, as :func:`record_from_response`.
 
-    Routing arrives only in the final chunk (``meta_info`` of the finishing chunk, or the
-    OpenAI chunk with ``choices: []`` and ``sglext``); token counts are taken from the last
-    chunk that has them.
+    Routing: every chunk's ``routed_experts`` (``meta_info``, or ``sglext`` of an OpenAI
+    chunk) is a block of rows, int32 [rows, num_hidden_layers, top_k +
+    num_fused_shared_experts] in base64; the record's rows are all blocks concatenated in
+    chunk order, from ``start_len``. SGLang 0.5.23 sends one block, all rows, with the
+    finishing chunk; a server or gateway that sends each step's rows with its chunk (the
+    prompt rows with the first) is assembled the same way. Token counts: ``meta_info``
+    ``prompt_tokens`` / ``completion_tokens`` (OpenAI: ``usage``) of the last chunk that
+    carries them; ``output_ids`` are SGLang's cumulative ones (each chunk's extends the
+    previous chunk's), the last chunk's kept. The other ``meta_info`` fields
+    (weight versions, retractions, cached tokens) are merged, a later chunk's winning.
 
+    Args:
+        chunks: the request's chunks in arrival order (dicts).
+        start_len: the request's ``routed_experts_start_len`` (None: a chunk's
+            ``routed_experts_start_len`` field, else as in :func:`record_from_response`).
+        num_fused_shared_experts, **kw: as :func:`record_from_response` (``prompt_ids``,
+            ``sample_id``, ``engine``).
     Raises:
-        RecordError: no chunk carried routed_experts (names the request and the flags).
+        RecordError: naming the request, and the chunk where one is at fault: an empty
+            stream; a chunk that is not an object or belongs to another request; no chunk
+            with routed_experts (names the server flag); a block that is not base64 or
+            whole rows; rows beyond the positions computed by a chunk's token counts
+            (prompt + completion - 1 - start_len: a start_len past the rows' start, or a
+            chunk repeating earlier rows, e.g. cumulative blocks or a retracted request's
+            re-prefill); ``output_ids`` that do not extend the previous chunk's or
+            disagree with ``completion_tokens`` (incremental output: a server launched
+            with ``--incremental-streaming-output``); a total that differs from the final
+            token counts (the rows per chunk listed, and the first chunk whose rows fall
+            short of its token count); and everything :func:`record_from_response` refuses.
     """
-    last_meta: dict[str, Any] | None = None
-    routed = output_ids = None
-    for ch in chunks:
+    if start_len is not None and _chunk_count(start_len) is None:
+        raise RecordError(f"start_len must be an integer >= 0, got {start_len!r}")
+    meta: dict[str, Any] = {}
+    behind: tuple[int, int, int] | None = None    # first (chunk, rows, rows its counts imply)
+    rid = output_ids = field_start = None
+    blocks: list[tuple[int, str, np.ndarray]] = []       # (chunk, payload, int32 rows)
+    total = n = 0
+
+    def where(i: int) -> str:
+        return f"request {rid!r}, stream chunk {i}"
+
+    def per_chunk() -> str:
+        shown = ", ".join(f"chunk {i}: {len(a)}" for i, _, a in blocks[:8])
+        more = f", ... ({len(blocks) - 8} more blocks)" if len(blocks) > 8 else ""
+        return f"rows per chunk: {shown}{more}"
+
+    for i, ch in enumerate(chunks):
+        n = i + 1
         if not isinstance(ch, Mapping):
-            raise RecordError(f"SGLang stream chunk is not a JSON object: {str(ch)[:80]}")
-        if isinstance(ch.get("meta_info"), Mapping):
-            last_meta = {**(last_meta or {}), **ch["meta_info"]}
-            routed = ch["meta_info"].get("routed_experts") or routed
-            output_ids = ch.get("output_ids", output_ids)
-        elif isinstance(ch.get("sglext"), Mapping) and ch["sglext"].get("routed_experts"):
-            routed = ch["sglext"]["routed_experts"]
-            last_meta = {**(last_meta or {}), "id": ch.get("id")}
-        elif isinstance(ch.get("usage"), Mapping):
-            last_meta = {**(last_meta or {}), "id": ch.get("id"),
-                         "prompt_tokens": ch["usage"].get("prompt_tokens"),
-                         "completion_tokens": ch["usage"].get("completion_tokens")}
-    if last_meta is None:
+            raise RecordError(f"{where(i)}: not a JSON object: {str(ch)[:80]}")
+        count = routed = None
+        if isinstance(ch.get("meta_info"), Mapping):                        # /generate
+            m = ch["meta_info"]
+            cid = m.get("id", ch.get("id"))
+            routed = m.get("routed_experts")
+            meta.update((k, v) for k, v in m.items() if k != "routed_experts")
+            count = _chunk_count(m.get("completion_tokens"))
+        else:                                                                # OpenAI
+            cid = ch.get("id")
+            ext = ch.get("sglext")
+            routed = ext.get("routed_experts") if isinstance(ext, Mapping) else None
+            usage = ch.get("usage")
+            if isinstance(usage, Mapping):
+                meta["prompt_tokens"] = usage.get("prompt_tokens")
+                meta["completion_tokens"] = usage.get("completion_tokens")
+                count = _chunk_count(usage.get("completion_tokens"))
+        if cid is not None:
+            if rid is None:
+                rid = cid
+            elif cid != rid:
+                raise RecordError(f"{where(i)}: the chunk belongs to request {cid!r}: one "
+                                  "stream is one request's chunks")
+        if field_start is None and _chunk_count(ch.get("routed_experts_start_len")) is not None:
+            field_start = ch["routed_experts_start_len"]
+        ids = ch.get("output_ids")
+        if isinstance(ids, list):
+            # NOTE: SGLang's output_ids are cumulative unless the server streams them
+            # incrementally; those cannot be told from cumulative ones chunk by chunk, so
+            # the counts decide, and incremental ones are refused rather than stitched.
+            prev = output_ids or []
+            if ids[:len(prev)] != prev or (count is not None and len(ids) != count):
+                raise RecordError(
+                    f"{where(i)}: {len(ids)} output_ids that do not extend the previous "
+                    f"chunk's {len(prev)}" + (f" to completion_tokens={count}"
+                                              if count is not None else "")
+                    + " (SGLang sends cumulative output_ids; a server launched with "
+                    "--incremental-streaming-output sends each chunk's new ids only)")
+            output_ids = ids
+            count = len(ids) if count is None else count
+        if routed is None:
+            continue
+        if not isinstance(routed, str):
+            raise RecordError(f"{where(i)}: routed_experts is not a base64 string "
+                              f"({type(routed).__name__})")
+        try:
+            block = wire.decode_sglang_b64_int32(
+                routed, schema.num_hidden_layers, schema.top_k,
+                num_fused_shared_experts=num_fused_shared_experts)
+        except RecordError as e:
+            raise RecordError(f"{where(i)}: {e}") from None
+        blocks.append((i, routed, block))
+        total += len(block)
+        prompt = _chunk_count(meta.get("prompt_tokens"))
+        if prompt is not None and count is not None:
+            start = start_len if start_len is not None else field_start or 0
+            bound = max(0, prompt + count - 1 - start)
+            if total > bound:
+                raise RecordError(
+                    f"{where(i)}: the chunk's {len(block)} routing rows bring the stream to "
+                    f"{total} rows, but {prompt} prompt + {count} output tokens by this chunk "
+                    f"have at most {bound} rows from position {start} (a start_len later "
+                    "than the rows' start, or a chunk repeating earlier rows: cumulative "
+                    "blocks, or a retracted request's re-prefill); "
+                    + per_chunk())
+            if total < bound and behind is None:
+                behind = (i, total, bound)
+    if not n:
         raise RecordError("empty SGLang stream")
-    if routed is None:
-        raise RecordError(f"request {last_meta.get('id')!r}: no chunk of the stream carried "
-                          f"routed_experts (it comes with the final chunk); {FLAG_HINT}")
-    resp = {"meta_info": {**last_meta, "routed_experts": routed}}
+    if not blocks:
+        raise RecordError(f"request {rid!r}: no chunk of the stream ({n} chunks) carried "
+                          "routed_experts (SGLang sends it with the final chunk); " + FLAG_HINT)
+    start = start_len if start_len is not None else field_start
+    prompt, gen = (_chunk_count(meta.get(k)) for k in ("prompt_tokens", "completion_tokens"))
+    if start is not None and prompt is not None and gen is not None \
+            and total != max(0, prompt + gen - 1 - start):
+        raise RecordError(
+            f"request {rid!r}: routing row-count mismatch in a stream of {n} chunks: "
+            f"{total} rows in {len(blocks)} blocks, {prompt} prompt + {gen} output tokens "
+            f"from position {start} have {max(0, prompt + gen - 1 - start)}; " + per_chunk()
+            + (f"; first short: chunk {behind[0]}, {behind[1]} rows where its token counts "
+               f"imply {behind[2]}" if behind else ""))
+    if len(blocks) == 1:
+        routed = blocks[0][1]
+    else:
+        routed = base64.b64encode(b"".join(a.tobytes() for _, _, a in blocks)).decode("ascii")
+    resp: dict[str, Any] = {"meta_info": {**meta, "id": rid, "routed_experts": routed}}
     if output_ids is not None:
         resp["output_ids"] = output_ids
-    return record_from_response(resp, schema, **kw)
+    try:
+        return record_from_response(resp, schema, start_len=start,
+                                    num_fused_shared_experts=num_fused_shared_experts, **kw)
+    except RecordError as e:
+        if len(blocks) > 1:
+            raise RecordError(f"{e} (assembled from a stream of {n} chunks; {per_chunk()})") \
+                from None
+        raise
 
 
 def iter_jsonl(path: str, schema: RoutingSchema, **kw: Any):

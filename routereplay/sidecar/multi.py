@@ -30,6 +30,17 @@ from routereplay.source import Rows
 
 Stream = Union[str, os.PathLike, bytes, BinaryIO]
 STREAM_SUFFIX = ".rrsc"          # what a folder source lists
+def _default_max_open() -> int:
+    """MAX_OPEN, or a quarter of the process's soft open-file limit where that is less (at
+    least 1): other files the process opens keep room under ``ulimit -n``."""
+    try:
+        import resource
+        soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+    except (ImportError, OSError, ValueError):
+        return MAX_OPEN
+    return MAX_OPEN if soft == resource.RLIM_INFINITY else max(1, min(MAX_OPEN, soft // 4))
+
+
 MAX_OPEN = 64                    # streams (file descriptors) a multi reader holds open at once
 
 
@@ -82,6 +93,9 @@ class _Stream:
         self._claimed = -1                   # sample ids registered with the multi reader
         self._ids: list[str] = []
         self._size, self._complete, self._torn = reader.size, reader.complete, reader.torn_tail
+        # NOTE: the file itself (device, inode): a copy of the header and the size pasted
+        # into another file at the path would pass the other checks (attacker review)
+        self._ident = self._file_ident(reader)
         self._errors: list[str] = []         # from the times it was open before
 
     # -- what is kept while closed
@@ -121,8 +135,30 @@ class _Stream:
             return False              # NOTE: a read of its records names it
 
     # -- open / close
+    def _file_ident(self, r: SidecarReader) -> tuple[int, ...] | None:
+        """A local stream's file: (device, inode), and for a closed (complete) stream also
+        its status-change time, which no later write changes (an inode number freed by a
+        delete can be reused at once by a new file)."""
+        if r._ident is None:
+            return None
+        if not r.complete:
+            return r._ident
+        try:
+            st = os.fstat(r._f.fileno())
+        except (OSError, AttributeError, ValueError):
+            return r._ident
+        return (*r._ident, st.st_ctime_ns)
+
+    def _same_file(self, now: tuple[int, ...] | None) -> bool:
+        was = self._ident
+        if was is None or now is None:
+            return True
+        return now[:2] == was[:2] and (len(now) < 3 or len(was) < 3 or now == was)
+
     def _attach(self, r: SidecarReader) -> None:
-        why = ("its header changed (another stream at that path, or rewritten)"
+        why = ("it is another file now (replaced or renamed over)"
+               if not self._same_file(self._file_ident(r)) else
+               "its header changed (another stream at that path, or rewritten)"
                if r.header != self.header else
                f"it shrank from {self._size} to {r.size} bytes" if r.size < self._size else
                f"it changed after its writer closed it ({self._size} -> {r.size} bytes)"
@@ -140,6 +176,7 @@ class _Stream:
             return
         self._errors = self.errors
         self._size, self._complete, self._torn = r.size, r.complete, r.torn_tail
+        self._ident = self._file_ident(r)         # NOTE: a live stream may have closed since
         self._reader = None
         r.close()
 
@@ -198,7 +235,8 @@ class MultiSidecarReader:
             streams that appear later (rotation: one stream per policy version) are picked
             up; an empty file (a writer that has not flushed its header yet) is listed in
             :attr:`pending` and opened once it has bytes.
-        max_open: streams held open at once (default :data:`MAX_OPEN`, 64): opening reads
+        max_open: streams held open at once (default: :data:`MAX_OPEN`, 64, or a quarter
+            of the process's soft open-file limit where that is less): opening reads
             every stream's header and index (or scans a live one), then closes the least
             recently used beyond this; a read reopens just the stream holding the record.
             Each reopen of a closed stream costs its header and index again (a live one:
@@ -228,7 +266,7 @@ class MultiSidecarReader:
             it), or a sample id present in two streams (names both).
     """
 
-    def __init__(self, sources: Stream | Sequence[Stream], *, max_open: int = MAX_OPEN,
+    def __init__(self, sources: Stream | Sequence[Stream], *, max_open: int | None = None,
                  floors: bool = True, weight_version: str | None = None):
         self._lock = threading.RLock()
         self._floors = floors
@@ -242,6 +280,8 @@ class MultiSidecarReader:
         if not isinstance(sources, (list, tuple)):
             raise ConfigError(f"sidecar streams are a path, folder, glob, bytes, file object or "
                               f"a list of them, not {type(sources).__name__}")
+        if max_open is None:
+            max_open = _default_max_open()
         if isinstance(max_open, bool) or not isinstance(max_open, int) or max_open < 1:
             raise ConfigError(f"max_open is a count of streams (1 or more), not {max_open!r}")
         self._specs = list(sources)
@@ -530,7 +570,7 @@ class MultiSidecarReader:
 
 
 def open_sidecar(spec: Stream | Sequence[Stream], *, floors: bool = True,
-                 weight_version: str | None = None, max_open: int = MAX_OPEN
+                 weight_version: str | None = None, max_open: int | None = None
                  ) -> SidecarReader | MultiSidecarReader:
     """A reader for ``spec``: a :class:`SidecarReader` for one stream (a file, URL, bytes
     or file object), a :class:`MultiSidecarReader` for a folder, a glob or a list of more

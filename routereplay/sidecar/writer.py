@@ -455,17 +455,23 @@ class SidecarWriter:
                                     "writer never replaces it, even with replace=True (give "
                                     "a new path)", path=path)
         if replace:
+            if st is not None:
+                _check_unlocked(path)
             partial = f"{path}.{secrets.token_hex(6)}.partial"
             f = open(partial, "xb")
             self._partial = (partial, path)
             return f
         try:
-            return open(path, "xb")
+            f = open(path, "xb")
         except FileExistsError:
             raise StreamExistsError(
                 f"sidecar destination {path} exists: a writer never overwrites a stream "
                 "(another writer's, or an earlier run's); write a new name, or pass "
                 "replace=True to replace it on purpose", path=path) from None
+        # NOTE: held for the writer's life (released when its file closes): a writer with
+        # replace=True refuses a stream whose writer is still running (attacker review)
+        _lock(f)
+        return f
 
     # -- public
     def write(self, record: RoutingRecord, *, wait: bool = False) -> None:
@@ -546,7 +552,23 @@ class SidecarWriter:
                 fs, src = fsspec.core.url_to_fs(partial)
                 fs.mv(src, fsspec.core.url_to_fs(path)[1])
             else:
-                os.replace(partial, path)
+                # NOTE: checked again: a writer may have opened, or a folder or FIFO been
+                # put at, the destination since this writer started
+                try:
+                    st = os.lstat(path)
+                except FileNotFoundError:
+                    st = None
+                if st is not None and not stat.S_ISREG(st.st_mode):
+                    raise StreamExistsError(f"sidecar destination {path} is no longer a "
+                                            f"regular file: not replaced; the new stream is "
+                                            f"{partial}", path=path)
+                if st is not None:
+                    _check_unlocked(path, partial)
+                try:
+                    os.replace(partial, path)
+                except OSError as e:
+                    raise SidecarError(f"{path}: cannot replace it with {partial}: "
+                                       f"{e.strerror or e}") from None
                 if self._fsync != "never":
                     _fsync_dir(os.path.dirname(os.path.abspath(path)))
         self._raise_bg()
@@ -830,6 +852,41 @@ class SidecarWriter:
                 if done is not None:
                     done.set()
                 self._q.task_done()
+
+
+def _lock(f: BinaryIO) -> None:
+    """An advisory exclusive lock (``flock``) on a writer's file, held until it is closed;
+    a no-op where the file system refuses locks (some network file systems)."""
+    try:
+        import fcntl
+        fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except (ImportError, OSError):
+        pass
+
+
+def _check_unlocked(path: str, partial: str | None = None) -> None:
+    """Refuse to replace ``path`` while a writer holds its lock (:func:`_lock`): a live
+    stream whose later records would go to an unlinked file.
+
+    Raises:
+        StreamExistsError: naming the path (and where the new stream stays).
+    """
+    try:
+        import fcntl
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+    except (ImportError, OSError):
+        return
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        raise StreamExistsError(
+            f"sidecar destination {path} is a live stream (its writer is still running): "
+            "not replaced" + (f"; the new stream is {partial}" if partial else ""),
+            path=path) from None
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
 
 
 def _fsync_dir(path: str) -> None:
