@@ -2,7 +2,20 @@
 
 A later turn re-sends the conversation so far as its prompt and asks only for the rows it
 does not have (vLLM ``routed_experts_prompt_start``, SGLang ``routed_experts_start_len``):
-segment i covers token positions [start_i, start_i + T_i).
+segment i covers token positions [start_i, start_i + T_i). :func:`next_start` gives that
+start; with the new prompt's token ids it also stops at the first token where the new
+prompt leaves the previous turn's sequence.
+
+Token identity. Row p of a turn is the routing of token position p given tokens 0..p of
+THAT turn's sequence (causal attention). It stands for the conversation's row p only if
+the turn's tokens 0..p are the conversation's. A later turn's prompt need not extend the
+earlier turn's sequence: a chat template may re-render earlier turns (Qwen3's drops the
+``<think>`` part of earlier assistant turns), or the conversation may branch from an
+earlier prefix. The conversation's tokens are those of the turn that reaches furthest;
+each turn's rows are used up to the position where its tokens leave them (their longest
+common prefix), never past it. Without token ids this cannot be checked, so a merge of
+several turns needs every turn's ``token_ids``, or the caller's statement
+``assume_extends=True`` that each turn's prompt extends the earlier turns' sequences.
 
 Which row wins where segments overlap: the EARLIER turn (the segment that starts first;
 among segments with the same start, the one that ends first: a later turn's sequence
@@ -11,16 +24,23 @@ engine used when it sampled those tokens and computed their log-probs; a later t
 re-prefills them (from the prefix cache, or recomputed after a cache flush or a weight
 update). Overlapping rows that differ are kept from the earlier segment and their
 positions are listed in the merged record's ``recomputed`` spans, so a trainer can see
-that the engine no longer agreed with itself there.
+that the engine no longer agreed with itself there. ``compare="slots"`` (the default)
+compares rows slot by slot, so a row with the same experts in another top-k order counts
+as differing; ``compare="set"`` lists only rows whose expert sets differ in some layer.
+
+Legs of a prefill/decode-disaggregated request (``<uid>#prefill``, ``<uid>#decode``) are
+not turns: merge them with :func:`routereplay.disaggregation.merge_pd_legs` first.
 """
 from __future__ import annotations
 
-from typing import Sequence
+from typing import NamedTuple, Sequence
 
 import numpy as np
 
 from routereplay.errors import RecordError
 from routereplay.record import RoutingRecord, WeightVersionSpan
+
+COMPARE = ("slots", "set")
 
 
 def _spans(mask: np.ndarray, offset: int) -> list[tuple[int, int]]:
@@ -30,76 +50,252 @@ def _spans(mask: np.ndarray, offset: int) -> list[tuple[int, int]]:
     return [(offset + int(a), offset + int(b)) for a, b in zip(d[::2], d[1::2])]
 
 
-def merge_segments(segments: Sequence[RoutingRecord], sample_id: str) -> RoutingRecord:
-    """Rebuild one conversation's routing from its turns.
+def common_prefix_len(a: Sequence[int] | np.ndarray, b: Sequence[int] | np.ndarray) -> int:
+    """Number of leading tokens two token-id sequences share (O(min(len a, len b)))."""
+    x, y = np.asarray(a), np.asarray(b)
+    n = min(len(x), len(y))
+    ne = np.flatnonzero(x[:n] != y[:n])
+    return int(ne[0]) if ne.size else n
+
+
+def next_start(previous: RoutingRecord,
+               new_prompt_ids: Sequence[int] | np.ndarray | None = None) -> int:
+    """The start to ask the next turn's routing from (vLLM ``routed_experts_prompt_start``,
+    SGLang ``routed_experts_start_len``): the first token position whose routing the
+    conversation lacks.
 
     Args:
-        segments: records of the turns (any order); ids [T_i, L_moe, top_k] with rows from
-            token position ``start_i``.
-        sample_id: id of the merged record.
+        previous: the record of the previous turn (rows from ``previous.start``).
+        new_prompt_ids: the next turn's prompt token ids. Given, the start is at most the
+            longest common prefix of ``previous.token_ids`` and the new prompt (a chat
+            template that re-renders earlier turns, or a branch from an earlier prefix,
+            leaves the previous sequence there; the previous rows from that position route
+            other tokens), and at most ``len(new_prompt_ids) - 1`` (the engine computes the
+            prompt's last token). Omitted: ``previous.start + previous.num_tokens``, which
+            assumes the new prompt extends the previous turn's whole sequence (the merge
+            refuses the turns when token ids show otherwise).
     Returns:
-        a record from position ``min(start_i)``: earlier turns win on overlaps, whatever
-        the order of ``segments`` (see the module docstring), and every overlapping row a
-        later turn computed differently is listed in ``recomputed`` (never dropped
-        silently); token_ids, prompt_len and engine of the turn that reaches
-        furthest (its sequence holds the whole conversation; every other turn's tokens must
-        be a prefix of it); log-probs dropped (they belong to single turns);
-        weight-version, prefix-cache and recomputed spans clipped to the rows each segment
-        contributed.
+        absolute token position (>= 0).
     Raises:
-        RecordError: no segments, segments of different layer/top_k shape, or a gap (token
-            positions that no segment covers), naming the sample and the positions.
+        RecordError: ``new_prompt_ids`` given but ``previous`` has no token ids (nothing to
+            compare with), or an empty new prompt; naming the sample.
     """
-    if not segments:
-        raise RecordError(f"sample {sample_id!r}: no segments to merge")
-    # NOTE: (start, end), not start alone: a turn resent in full after a weight update starts
-    # where the first turn did; ordering by start only would let the caller's list order
-    # decide, and the later turn's rows would replace the ones that produced the tokens.
-    segs = sorted(segments, key=lambda r: (r.start, r.start + r.num_tokens))
-    shape = segs[0].expert_ids.shape[1:]
-    if any(r.expert_ids.shape[1:] != shape or r.expert_ids.dtype != segs[0].expert_ids.dtype for r in segs):
+    end = previous.start + previous.num_tokens
+    if new_prompt_ids is None:
+        return end
+    if previous.token_ids is None:
+        raise RecordError(f"sample {previous.sample_id!r}: no token ids, so the next turn's "
+                          "prompt cannot be compared with it (ask the engine for the token ids, "
+                          "or use next_start(previous) if the prompt extends its sequence)")
+    if len(new_prompt_ids) == 0:
+        raise RecordError(f"sample {previous.sample_id!r}: the next turn's prompt is empty")
+    return max(0, min(end, common_prefix_len(previous.token_ids, new_prompt_ids),
+                      len(new_prompt_ids) - 1))
+
+
+def rows_differ(a: np.ndarray, b: np.ndarray, compare: str = "slots") -> np.ndarray:
+    """bool [n]: which rows of two id arrays [n, L, K] differ in some layer.
+
+    ``compare="slots"``: slot by slot (the same experts in another top-k order differ);
+    ``"set"``: as expert sets per layer (order ignored).
+
+    Raises:
+        RecordError: an unknown ``compare``.
+    """
+    if compare == "set":
+        a, b = np.sort(a, axis=-1), np.sort(b, axis=-1)
+    elif compare != "slots":
+        raise RecordError(f"compare must be one of {COMPARE}, got {compare!r}")
+    return (a != b).any(axis=(1, 2))
+
+
+class Spliced(NamedTuple):
+    """What :func:`assemble` returns (spans are token positions)."""
+
+    ids: np.ndarray                         # [end - start, L, K]
+    start: int
+    weight_versions: list[WeightVersionSpan]
+    recomputed: list[tuple[int, int]]
+    prefix_cached: list[tuple[int, int]]
+    used: list[int]                         # rows each piece contributed, in pieces' order
+
+
+def assemble(pieces: Sequence[tuple[RoutingRecord, int, int]], sample_id: str, *,
+             compare: str = "slots", gap_hint: str = "") -> Spliced:
+    """Splice rows of several records; the first piece holding a position wins.
+
+    Args:
+        pieces: ``(record, lo, hi)`` in precedence order: the record's rows at token positions
+            [lo, hi) are usable (clipped to the rows it has); its other rows are neither taken
+            nor compared (they route other tokens, or were never computed).
+        compare: how usable overlapping rows are compared (:func:`rows_differ`).
+        gap_hint: appended to the error for positions that no piece covers.
+    Returns:
+        :class:`Spliced`: spans clipped to the rows each piece contributed; recomputed also
+        lists every position where a later piece's usable row differs from the row kept.
+    Raises:
+        RecordError: pieces of different layer/top_k shape or dtype, or token positions that
+            no piece covers, naming the sample and the positions.
+    """
+    recs = [r for r, _, _ in pieces]
+    shape, dtype = recs[0].expert_ids.shape[1:], recs[0].expert_ids.dtype
+    if any(r.expert_ids.shape[1:] != shape or r.expert_ids.dtype != dtype for r in recs):
         raise RecordError(f"sample {sample_id!r}: segments differ in layers, top_k or dtype")
-    start = segs[0].start
-    end = max(r.start + r.num_tokens for r in segs)
-    ids = np.zeros((end - start,) + shape, dtype=segs[0].expert_ids.dtype)
+    rng = [(r, max(lo, r.start), min(hi, r.start + r.num_tokens)) for r, lo, hi in pieces]
+    used = [0] * len(rng)
+    if not any(lo < hi for _, lo, hi in rng):
+        raise RecordError(f"sample {sample_id!r}: no usable rows in any segment")
+    start = min(lo for _, lo, hi in rng if lo < hi)
+    end = max(hi for _, lo, hi in rng if lo < hi)
+    ids = np.zeros((end - start,) + shape, dtype=dtype)
     have = np.zeros(end - start, dtype=bool)
     differs = np.zeros(end - start, dtype=bool)
     versions: list[WeightVersionSpan] = []
     recomputed: list[tuple[int, int]] = []
     cached: list[tuple[int, int]] = []
-    for r in segs:
-        a = r.start - start
-        rows = slice(a, a + r.num_tokens)
+    for i, (r, lo, hi) in enumerate(rng):
+        if lo >= hi:
+            continue
+        rows = slice(lo - start, hi - start)
+        src = r.expert_ids[lo - r.start:hi - r.start]
         old = have[rows]
-        differs[rows] |= old & (ids[rows] != r.expert_ids).any(axis=(1, 2))
+        differs[rows] |= old & rows_differ(ids[rows], src, compare)
         new = ~old
-        ids[rows][new] = r.expert_ids[new]
-        for p0, p1 in _spans(new, r.start):
+        used[i] = int(new.sum())
+        ids[rows][new] = src[new]
+        for p0, p1 in _spans(new, lo):
             versions += [WeightVersionSpan(s.version, max(s.start, p0), min(s.end, p1))
                          for s in r.weight_versions if max(s.start, p0) < min(s.end, p1)]
-            for src, dst in ((r.recomputed, recomputed), (r.prefix_cached, cached)):
-                dst += [(max(x, p0), min(y, p1)) for x, y in src if max(x, p0) < min(y, p1)]
+            for spans, dst in ((r.recomputed, recomputed), (r.prefix_cached, cached)):
+                dst += [(max(x, p0), min(y, p1)) for x, y in spans if max(x, p0) < min(y, p1)]
         have[rows] = True
     if not have.all():
-        gaps = _spans(~have, start)
-        raise RecordError(f"sample {sample_id!r}: turns leave token positions {gaps} without "
-                          "routing (a later turn's start is past the earlier turn's last row)")
-    recomputed = sorted(set(recomputed + _spans(differs, start)))
+        raise RecordError(f"sample {sample_id!r}: token positions {_spans(~have, start)} have "
+                          f"no routing{gap_hint}")
+    versions.sort(key=lambda s: s.start)
+    return Spliced(ids, start, versions, sorted(set(recomputed + _spans(differs, start))),
+                   sorted(set(cached)), used)
+
+
+def merge_segments(segments: Sequence[RoutingRecord], sample_id: str, *,
+                   assume_extends: bool = False, compare: str = "slots") -> RoutingRecord:
+    """Rebuild one conversation's routing from its turns.
+
+    Args:
+        segments: records of the turns (any order); ids [T_i, L_moe, top_k] with rows from
+            token position ``start_i``; with ``token_ids`` (see the module docstring: token
+            identity).
+        sample_id: id of the merged record.
+        assume_extends: the caller states that every turn's prompt extends the earlier
+            turns' sequences token for token; needed to merge several turns when some lack
+            token ids (those turns' rows are then trusted; turns with token ids are still
+            checked).
+        compare: ``"slots"`` (default) or ``"set"``: how overlapping rows are compared for
+            ``recomputed`` (:func:`rows_differ`).
+    Returns:
+        a record from position ``min(start_i)``: earlier turns win on overlaps, whatever
+        the order of ``segments`` (see the module docstring), and every overlapping row a
+        later turn computed differently is listed in ``recomputed`` (never dropped
+        silently); token_ids, prompt_len and engine of the turn that reaches furthest (its
+        sequence is the conversation); each turn's rows used only up to where its tokens
+        leave the conversation's (a re-rendered or branched prefix; those rows route other
+        tokens and stay in the turn's own record); log-probs dropped (they belong to
+        single turns); weight-version, prefix-cache and recomputed spans clipped to the
+        rows each segment contributed.
+    Raises:
+        RecordError: naming the sample, and the turns and positions: no segments; a leg of a
+            P/D request (``#prefill``/``#decode`` key); several turns, one without token
+            ids, and no ``assume_extends``; two turns that reach equally far with different
+            tokens (two branches); segments of different layer/top_k shape; a turn
+            whose tokens leave the conversation's and that gives it no row (another branch,
+            or a turn rendered differently: not a turn of this conversation); token
+            positions without routing for the conversation's tokens (a gap between turns,
+            or a later turn asked from past the position where its prompt leaves the earlier
+            turn's sequence: the error names that position; ask with
+            ``next_start(previous, new_prompt_ids)``); or token ids whose count does not
+            match the rows.
+    """
+    from routereplay.disaggregation import split_leg_key
+    if not segments:
+        raise RecordError(f"sample {sample_id!r}: no segments to merge")
+    if compare not in COMPARE:
+        raise RecordError(f"compare must be one of {COMPARE}, got {compare!r}")
+    for r in segments:
+        uid, leg = split_leg_key(r.sample_id)
+        if leg is not None:
+            raise RecordError(
+                f"sample {sample_id!r}: segment {r.sample_id!r} is the {leg} leg of P/D request "
+                f"{uid!r}, not a turn: merge its legs with "
+                "routereplay.disaggregation.merge_pd_legs first and pass the result")
+    if len(segments) > 1 and not assume_extends:
+        bare = [r.sample_id for r in segments if r.token_ids is None]
+        if bare:
+            raise RecordError(
+                f"sample {sample_id!r}: turns {bare} have no token ids, so the merge cannot check "
+                "that each turn's prompt extends the earlier turns' sequences (a chat template "
+                "that re-renders earlier turns, or a branch from an earlier prefix, would put "
+                "an earlier turn's rows where other tokens stand): pass records with token_ids, "
+                "or assume_extends=True if the prompts extend the earlier sequences token for "
+                "token")
+    # NOTE: (start, end), not start alone: a turn resent in full after a weight update starts
+    # where the first turn did; ordering by start only would let the caller's list order
+    # decide, and the later turn's rows would replace the ones that produced the tokens.
+    segs = sorted(segments, key=lambda r: (r.start, r.start + r.num_tokens))
     # the turn that reaches furthest holds the whole conversation (ties: the longest tokens)
     last = max(segs, key=lambda r: (r.start + r.num_tokens,
                                     -1 if r.token_ids is None else len(r.token_ids)))
+    with_tokens = [r for r in segs if r.token_ids is not None]
+    ref = None if not with_tokens else (
+        last if last.token_ids is not None else max(with_tokens, key=lambda r: len(r.token_ids)))
+    for r in with_tokens:
+        if r is not ref and len(r.token_ids) == len(ref.token_ids) and \
+                r.start + r.num_tokens == ref.start + ref.num_tokens and \
+                not np.array_equal(r.token_ids, ref.token_ids):
+            raise RecordError(
+                f"sample {sample_id!r}: turns {ref.sample_id!r} and {r.sample_id!r} both reach "
+                f"position {len(r.token_ids) - 1} with different tokens (from position "
+                f"{common_prefix_len(r.token_ids, ref.token_ids)}): two branches, not one "
+                "conversation")
+    pieces, leaves = [], []
+    for r in segs:
+        q = None
+        if r.token_ids is not None and r is not ref:
+            q = common_prefix_len(r.token_ids, ref.token_ids)
+            if q >= r.start + r.num_tokens:
+                q = None                    # every row's tokens are the conversation's
+        if q is not None:
+            leaves.append((r, q))
+        pieces.append((r, r.start, r.start + r.num_tokens if q is None else q))
+
+    def found(r: RoutingRecord, q: int) -> str:
+        return (f"turn {r.sample_id!r}'s tokens are not a prefix of turn {ref.sample_id!r}'s "
+                f"(the conversation): they differ from position {q} on (token "
+                f"{int(r.token_ids[q])} vs {int(ref.token_ids[q]) if q < len(ref.token_ids) else 'none'}"
+                "): a re-rendered or branched prefix (the chat template rendered earlier turns "
+                "differently, or the conversation branches there)")
+    if leaves:
+        r, q = min(leaves, key=lambda x: x[1])
+        hint = (f": {found(r, q)}; its rows from position {q} route other tokens and are not "
+                f"used, and the later turn's rows do not reach back to {q}: ask the later turn "
+                "from next_start(previous, new_prompt_ids)")
+    else:
+        hint = " (a later turn's start is past the earlier turn's last row)"
+    out = assemble(pieces, sample_id, compare=compare, gap_hint=hint)
+    for (r, _, _), n in zip(pieces, out.used):
+        q = dict((id(x), y) for x, y in leaves).get(id(r))
+        if q is not None and n == 0:
+            raise RecordError(
+                f"sample {sample_id!r}: {found(r, q)}, and its rows before {q} are the earlier "
+                "turns' (it gives the conversation no row): not a turn of this conversation "
+                "(another branch, or a turn rendered differently); leave it out")
+    ids, start = out.ids, out.start
     if last.token_ids is not None:
         full = np.asarray(last.token_ids)
-        for r in segs:
-            if r.token_ids is not None and not np.array_equal(
-                    np.asarray(r.token_ids), full[:len(r.token_ids)]):
-                raise RecordError(f"sample {sample_id!r}: turn {r.sample_id!r}'s tokens are not a "
-                                  f"prefix of turn {last.sample_id!r}'s: not one conversation")
+        end = start + len(ids)
         if len(full) != end + 1:
             raise RecordError(f"sample {sample_id!r}: {len(full)} tokens in turn "
                               f"{last.sample_id!r} but routing rows up to position {end}")
-    versions.sort(key=lambda s: s.start)
     return RoutingRecord(sample_id=sample_id, expert_ids=ids, start=start, prompt_len=last.prompt_len,
-                         token_ids=last.token_ids, logprobs=None, weight_versions=versions,
-                         recomputed=recomputed, prefix_cached=sorted(set(cached)),
-                         engine=last.engine)
+                         token_ids=last.token_ids, logprobs=None,
+                         weight_versions=out.weight_versions, recomputed=out.recomputed,
+                         prefix_cached=out.prefix_cached, engine=last.engine)

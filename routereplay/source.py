@@ -35,8 +35,22 @@ from routereplay.errors import AlignmentError, ConfigError, RecordError, Unknown
 from routereplay.record import RoutingRecord, check_written_rows, checked_moe_ids, eplb_id_hint
 from routereplay.schema import RoutingSchema
 
-# (ids, first): ids of the schema's id dtype [n, len(moe_layers), K] holding token
-# positions [first, first + n) of one sample (n may be 0).
+#: What :meth:`RoutingSource.fetch` returns per token run: ``(ids, first)``.
+#:
+#: - ``ids``: numpy array of ``schema.id_dtype`` (uint8 up to 256 experts, uint16 above),
+#:   shape [n, len(moe_layers), K]: ``ids[i, j]`` are the K logical expert ids (in
+#:   ``[0, num_experts)``, distinct within the row) that MoE layer ``moe_layers[j]`` routed
+#:   token position ``first + i`` of the sample to, in the source's column order (the
+#:   engine's top-k slot order; ascending for the samples :func:`sorted_order_samples`
+#:   names). Read-only: it may be a view of the source's own data.
+#: - ``first``: int, the token position (0-based, in the whole sequence: prompt and
+#:   response) of row 0; the rows are the consecutive positions ``[first, first + n)``.
+#:
+#: There is no sentinel value: positions of the run the source holds no routing for are
+#: simply not in the rows (``first`` after the run's ``lo``, or ``n`` short of its end;
+#: ``n == 0`` and ``first`` = the clipped ``lo`` when it holds none). The replayer's
+#: gather (:func:`routereplay.align.gather_rows`) is what marks those positions
+#: :data:`routereplay.align.MISSING` (-1) for the trainer's fallback.
 Rows = tuple[np.ndarray, int]
 
 
@@ -46,6 +60,11 @@ class RoutingSource(Protocol):
 
     Attributes:
         schema: the routing schema of every record in the source.
+
+    Optional members (not part of the structural check, so a source without them is still
+    a RoutingSource): ``token_ids(sample_id)`` (see :func:`source_token_ids`) and
+    ``column_order`` ("engine" or "sorted", see :func:`sorted_order_samples`; a source
+    without it holds engine order).
     """
 
     schema: RoutingSchema
@@ -64,10 +83,11 @@ class RoutingSource(Protocol):
             runs: token-position ranges ``[lo, hi)``; each is clipped to the record's rows
                 ``[start, start + T)``.
         Returns:
-            one :data:`Rows` per run, ids of ``schema.id_dtype`` [n, len(moe_layers), K]
-            for positions ``[first, first + n)``; n = 0 where the record has no row in the
-            run. Every id was checked (range, distinct in its row) when the source took or
-            decoded it.
+            one :data:`Rows` ``(ids, first)`` per run, in the order of ``runs``: ids of
+            ``schema.id_dtype`` [n, len(moe_layers), K] for positions
+            ``[first, first + n)``; n = 0 where the record has no row in the run (no
+            sentinel ids: see :data:`Rows`). Every id was checked (range, distinct in its
+            row) when the source took or decoded it.
         Raises:
             UnknownSampleError (a KeyError): no record for ``sample_id``.
             SidecarError: corrupt stored data.
@@ -75,7 +95,46 @@ class RoutingSource(Protocol):
 
 
 # NOTE: sources may also offer ``token_ids(sample_id) -> int [N] | None`` (the whole
-# sequence's token ids, None when the source holds none); see source_token_ids.
+# sequence's token ids, None when the source holds none; see source_token_ids) and a
+# ``column_order`` str (see sorted_order_samples). Neither is declared on the Protocol:
+# runtime_checkable isinstance() would then refuse every source that lacks them.
+
+
+def sorted_order_samples(source: object, sample_ids: Iterable[str]) -> list[str]:
+    """The ids among ``sample_ids`` whose rows ``source`` holds in "sorted" column order
+    (ascending expert id per row, the engine's top-k slot order lost), in the given order.
+
+    A source's order is its ``column_order`` attribute (a :class:`SidecarReader`: its
+    header's; a third-party source may declare one). A :class:`MultiSidecarReader` (no
+    attribute of its own: its streams may differ) answers per sample from the stream that
+    holds it. Any other source is engine order: :class:`InMemorySource` holds
+    :class:`RoutingRecord` s, whose ids are engine column order by definition (records read
+    from a sorted stream break that contract and are not detected), :class:`TokenRowSource`
+    holds rows in the trainer's own router order, :class:`NoRouting` holds none.
+    Host work only: one lookup per sample, no routing decoded.
+
+    Raises:
+        ConfigError: a source's ``column_order`` that is neither "engine" nor "sorted".
+        UnknownSampleError: (MultiSidecarReader with mixed orders) a sample no stream holds.
+    """
+    ids = list(sample_ids)
+    order = getattr(source, "column_order", None)
+    if order is None:
+        streams = getattr(source, "readers", None)
+        if streams is None or not callable(getattr(source, "stream_of", None)):
+            return []
+        # NOTE: each stream's order was checked when its header was read. Streams given
+        # as bytes or file objects can share a name: any sorted one marks the name sorted.
+        sorted_names = {rd.name for rd in streams if rd.column_order == "sorted"}
+        if not sorted_names:
+            return []
+        if all(rd.name in sorted_names for rd in streams):
+            return ids
+        return [sid for sid in ids if source.stream_of(sid) in sorted_names]
+    if order not in ("engine", "sorted"):
+        raise ConfigError(f"routing source {type(source).__name__}: column_order {order!r} "
+                          "is neither 'engine' nor 'sorted'")
+    return ids if order == "sorted" else []
 
 
 def checked_ids(ids: object, schema: RoutingSchema, sample_id: str, *, start: int = 0,
@@ -628,5 +687,6 @@ def as_source(source: object, schema: RoutingSchema) -> RoutingSource:
                     "or None)")
 
 
-__all__ = ["RoutingSource", "Rows", "InMemorySource", "TokenRowSource", "NoRouting",
+__all__ = ["RoutingSource", "Rows", "sorted_order_samples", "InMemorySource", "TokenRowSource",
+           "NoRouting",
            "as_source", "rows_of", "checked_ids", "source_token_ids", "check_fetch_args"]

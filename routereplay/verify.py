@@ -5,18 +5,143 @@ per sample and condition, its log-probs and the experts it used; this module tur
 into the metrics of routereplay.metrics, per sample and overall, with routing agreement
 split into prompt rows (token positions < prompt_len) and response rows, and per layer.
 Log-prob metrics are over response tokens (the engine reports log-probs only for them).
+
+Like with like: a record's ``sampling`` (routereplay.record.SamplingInfo) says what its
+log-probs are; :func:`sampling_transform` gives what the trainer applies to its logits
+before the log-softmax so that its log-probs mean the same (docs/metrics.md "Sampling"),
+or refuses where that cannot be reproduced.
 """
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Mapping, Sequence
 
 import numpy as np
 
 from routereplay import metrics
-from routereplay.errors import RecordError
+from routereplay.errors import AlignmentError, RecordError
 from routereplay.record import RoutingRecord
 
 CONDITIONS = ("no_replay", "replay")
+GREEDY_TEMPERATURE = 1e-5         # below it the engines sample greedily: vLLM's _SAMPLING_EPS
+
+
+@dataclasses.dataclass(frozen=True)
+class Transform:
+    """What a trainer applies to its logits [N, V] before the log-softmax, in this order
+    (vLLM 0.32's sampler: ``apply_temperature``, then the min_p processor, then
+    ``apply_top_k_top_p``):
+
+    1. divide by ``temperature``;
+    2. min_p > 0: drop tokens whose probability is below ``min_p`` x the largest;
+    3. top_k > 0: keep tokens whose logit is at least the k-th largest (ties kept);
+    4. top_p < 1: sort ascending, drop tokens whose cumulative probability (of the
+       distribution after 3) is at most 1 - top_p, the largest always kept;
+
+    dropped tokens get logit -inf, so the log-softmax renormalises over the kept ones.
+    ``Transform()`` is the identity (the full-vocabulary log-softmax).
+    """
+
+    temperature: float = 1.0
+    min_p: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+
+    @property
+    def identity(self) -> bool:
+        return self == Transform()
+
+    def describe(self) -> str:
+        """e.g. "temperature 0.7, top_k 20, top_p 0.9" ("full-vocabulary log-softmax")."""
+        parts = [f"{name} {getattr(self, name):g}" for name, off in
+                 (("temperature", 1.0), ("min_p", 0.0), ("top_k", 0), ("top_p", 1.0))
+                 if getattr(self, name) != off]
+        return ", ".join(parts) if parts else "full-vocabulary log-softmax"
+
+
+def sampling_transform(record: RoutingRecord) -> Transform | None:
+    """The :class:`Transform` that makes the trainer's log-probs mean what ``record``'s
+    engine log-probs mean, from ``record.sampling``; None when the record has no sampling
+    parameters (the caller compares the full-vocabulary log-softmax and says so).
+
+    Modes: ``raw_logprobs`` -> identity; ``temperature_logprobs`` -> temperature only;
+    ``processed_logprobs`` -> temperature, min_p, top_k, top_p. A temperature below 1e-5
+    is greedy: no scaling, and no truncation (vLLM sets top_p 1, top_k 0, min_p 0 then).
+
+    Raises:
+        AlignmentError: naming the sample and why, where the engine's values cannot be
+            reproduced: logits instead of log-probs (``raw_logits``, ``processed_logits``),
+            an unknown mode, or other logit transforms in the recorded values
+            (``sampling.processors``: penalties, logit bias, grammar masks).
+    """
+    smp = record.sampling
+    if smp is None:
+        return None
+    sid, mode = record.sample_id, smp.logprobs_mode
+    if mode in ("raw_logits", "processed_logits"):
+        raise AlignmentError(
+            f"sample {sid!r}: the engine recorded logits, not log-probs (logprobs_mode "
+            f"{mode!r}): a log-prob mismatch cannot be measured against them; record with "
+            "logprobs_mode='raw_logprobs' (vLLM's default)")
+    if mode not in ("raw_logprobs", "temperature_logprobs", "processed_logprobs"):
+        raise AlignmentError(f"sample {sid!r}: log-prob mode {mode!r} is not one verify can "
+                             "reproduce (raw_logprobs, temperature_logprobs, "
+                             "processed_logprobs)")
+    if smp.processors:
+        raise AlignmentError(
+            f"sample {sid!r}: the engine's log-probs ({mode}) include logit transforms "
+            f"verify does not reproduce: {', '.join(smp.processors)}; the difference would "
+            "read as mismatch (record with logprobs_mode='raw_logprobs', or without them)")
+    if mode == "raw_logprobs" or smp.temperature < GREEDY_TEMPERATURE:
+        return Transform()
+    if mode == "temperature_logprobs":
+        return Transform(temperature=smp.temperature)
+    return Transform(temperature=smp.temperature, min_p=smp.min_p, top_k=smp.top_k,
+                     top_p=smp.top_p)
+
+
+def sampling_notes(records: Sequence[RoutingRecord]) -> dict[str, Any]:
+    """What was compared: {"unknown": samples without sampling parameters, "compared":
+    {Transform.describe(): samples}}.
+
+    Raises:
+        AlignmentError: see :func:`sampling_transform` (the first record refused).
+    """
+    unknown, compared = 0, {}
+    for r in records:
+        t = sampling_transform(r)
+        if t is None:
+            unknown += 1
+        else:
+            compared[t.describe()] = compared.get(t.describe(), 0) + 1
+    return {"unknown": unknown, "compared": compared}
+
+
+def check_full_vocabulary(records: Sequence[RoutingRecord], trainer: str) -> None:
+    """Refuse records whose comparison needs a sampling transform, for a ``trainer`` that
+    computes the full-vocabulary log-softmax only (the megatron harness).
+
+    Raises:
+        AlignmentError: naming the first such sample, its transform and what to do.
+    """
+    for r in records:
+        t = sampling_transform(r)
+        if t is not None and not t.identity:
+            raise AlignmentError(
+                f"sample {r.sample_id!r}: the engine's log-probs are under {t.describe()} "
+                f"({r.sampling.logprobs_mode}), and the {trainer} recompute takes the "
+                "full-vocabulary log-softmax only: comparing them would read sampling as "
+                "mismatch; use --trainer hf, which applies the same transform")
+
+
+def sampling_line(notes: Mapping[str, Any], num_samples: int) -> str:
+    """The report's line on sampling parameters."""
+    parts = [f"{n} as {d}" for d, n in notes.get("compared", {}).items()]
+    if notes.get("unknown"):
+        parts.append(f"{notes['unknown']} with unknown sampling parameters (compared as a "
+                     "full-vocabulary log-softmax: temperature or top-k/top-p in the engine's "
+                     "log-probs would read as mismatch)")
+    return f"sampling ({num_samples} samples): " + "; ".join(parts)
 
 
 def summarize(records: Sequence[RoutingRecord],
@@ -29,9 +154,15 @@ def summarize(records: Sequence[RoutingRecord],
             used int [N, L_moe, top_k]: the experts the trainer used at each position).
     Returns:
         {condition: {overall metrics, routing_agreement_prompt, routing_agreement_response,
-        per_layer, per_sample: [...]}, "deltas": {condition: float [tokens]}}.
+        per_layer, per_sample: [...]}, "deltas": {condition: float [tokens]},
+        "sampling": :func:`sampling_notes`}. The trainer's log-probs must already follow
+        each record's :func:`sampling_transform`.
+    Raises:
+        AlignmentError: a record whose log-probs cannot be compared
+            (:func:`sampling_transform`).
     """
-    out: dict[str, Any] = {"num_samples": len(records), "deltas": {}}
+    out: dict[str, Any] = {"num_samples": len(records), "deltas": {},
+                           "sampling": sampling_notes(records)}
     for cond, per in passes.items():
         deltas, eng, used, is_resp, per_sample = [], [], [], [], []
         for r, (lp, u) in zip(records, per):
@@ -82,6 +213,8 @@ def load_summary(path: str) -> dict[str, Any]:
         res = json.load(f)
     try:
         out: dict[str, Any] = {"num_samples": int(res["num_samples"]), "deltas": {}}
+        if "sampling" in res:
+            out["sampling"] = res["sampling"]
         for c, d in res["deltas"].items():
             out["deltas"][c] = np.asarray(d, np.float64)
             out[c] = res[c]
@@ -118,6 +251,8 @@ def format_report(summary: Mapping[str, Any], max_samples: int = 10) -> str:
         if c in summary:
             lines.append(f"per-layer agreement, {c.replace('_', ' ')}: "
                          + " ".join(f"{x:.4f}" for x in summary[c]["per_layer"]))
+    if "sampling" in summary:
+        lines.append(sampling_line(summary["sampling"], summary["num_samples"]))
     if "no_replay" in summary:
         worst = sorted(summary["no_replay"]["per_sample"], key=lambda s: -s["k3_kl"])[:max_samples]
         lines.append(f"samples with the largest k3 KL without replay (of {summary['num_samples']}):")

@@ -426,7 +426,7 @@ def record_v3(payload, pcrc, header, lmoe, k, e, ctx=None):
     h = pos + m
     assert zlib.crc32(payload[:h]) == pcrc                      # the head's CRC
     flags, pos = varint(payload, pos)
-    assert flags < 512
+    assert flags < 1024
     sid, pos = string(payload, pos)
     t, pos = varint(payload, pos)
     rec = {"sample_id": sid, "start": 0, "prompt_len": None, "weight_versions": [],
@@ -460,6 +460,21 @@ def record_v3(payload, pcrc, header, lmoe, k, e, ctx=None):
                 a, pos = varint(payload, pos)
                 ln, pos = varint(payload, pos)
                 rec[key].append([a, a + ln])
+    rec["sampling"] = None
+    if flags & 512:
+        mode, pos = string(payload, pos)
+        temperature, top_p = struct.unpack("<dd", payload[pos:pos + 16])
+        top_k, pos = varint(payload, pos + 16)
+        (min_p,) = struct.unpack("<d", payload[pos:pos + 8])
+        n, pos = varint(payload, pos + 8)
+        assert n <= 16
+        procs = []
+        for _ in range(n):
+            name, pos = string(payload, pos)
+            procs.append(name)
+        rec["sampling"] = {"logprobs_mode": mode, "temperature": temperature, "top_p": top_p,
+                           "top_k": top_k, "min_p": min_p, "processors": procs}
+        _check_sampling(rec["sampling"])
     assert pos == h
     _check_spans(rec, t)
     n_blocks = max(1, -(-t // b_rows))
@@ -501,6 +516,20 @@ def index_v3(payload):
         out.append([sid, off])
     assert pos == len(payload)
     return {"records": out}
+
+
+def _check_sampling(smp):
+    """"Version 3 meta", SAMPLING: the ranges (the same for version 2's ``sampling``)."""
+    assert set(smp) == {"logprobs_mode", "temperature", "top_p", "top_k", "min_p",
+                        "processors"}
+    text = [smp["logprobs_mode"]] + list(smp["processors"])
+    assert all(isinstance(x, str) and 1 <= len(x.encode("utf-8", "surrogatepass")) <= 64
+               for x in text)
+    assert len(smp["processors"]) <= 16 and len(set(smp["processors"])) == len(smp["processors"])
+    assert math.isfinite(smp["temperature"]) and smp["temperature"] >= 0
+    assert math.isfinite(smp["top_p"]) and 0 < smp["top_p"] <= 1
+    assert math.isfinite(smp["min_p"]) and 0 <= smp["min_p"] <= 1
+    assert isinstance(smp["top_k"], int) and 0 <= smp["top_k"] < 2 ** 31
 
 
 def _check_spans(rec, t):
@@ -553,7 +582,10 @@ def read_stream(data):
                    "weight_versions": meta.get("weight_versions", []),
                    "engine": meta.get("engine", ""), "recomputed": meta.get("recomputed", []),
                    "prefix_cached": meta.get("prefix_cached", []),
+                   "sampling": meta.get("sampling"),
                    "routing": [[None] * lmoe for _ in range(t)]}
+            if rec["sampling"] is not None:
+                _check_sampling(rec["sampling"])
             pos = 0
             for sec in meta["sections"]:
                 if isinstance(sec, dict):                 # version 1: offsets and shapes given

@@ -82,7 +82,7 @@ def test_merge_segments_earlier_wins_and_flags_disagreement(schema):
     later[1] = later[1][:, ::-1]                                     # position 9 recomputed differently
     b = RoutingRecord("t2", later, start=8, weight_versions=[WeightVersionSpan("v2", 8, 30)],
                       prefix_cached=[(0, 8)])
-    m = merge_segments([b, a], "conv")
+    m = merge_segments([b, a], "conv", assume_extends=True)       # no token ids: stated
     np.testing.assert_array_equal(m.expert_ids, full)                       # earlier turn's rows kept
     assert m.recomputed == [(9, 10)]
     assert [(s.version, s.start, s.end) for s in m.weight_versions] == [("v1", 0, 12), ("v2", 12, 30)]
@@ -97,4 +97,4 @@ def test_merge_segments_earlier_wins_and_flags_disagreement(schema):
         merge_segments([long, other], "c3")
     gap = RoutingRecord("t3", full[20:].copy(), start=20)
     with pytest.raises(RecordError, match=r"sample 'conv'.*\[\(12, 20\)\]"):
-        merge_segments([a, gap], "conv")
+        merge_segments([a, gap], "conv", assume_extends=True)

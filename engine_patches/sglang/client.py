@@ -9,7 +9,7 @@ rollouts (thousands of concurrent requests), its blocking twin, and the offline 
     client = SGLangRoutingClient("http://127.0.0.1:30000", schema, writer)    # blocking
     resp, rec = client.generate({"input_ids": ids, "sampling_params": {...}})
     # multi-turn: the next turn asks only for rows not yet stored
-    resp2, rec2 = client.generate({"input_ids": ids + out + user}, start_len=next_start(rec))
+    resp2, rec2 = client.generate({"input_ids": ids + out + user}, start_len=next_start(rec, ids + out + user))
 
 Both clients run on httpx (the ``sglang`` extra): one connection pool per client (keep-alive
 connections reused), at most ``max_concurrency`` requests in flight (asyncio semaphore;
@@ -39,8 +39,10 @@ from typing import Any, Mapping, Sequence
 
 from engine_patches.sglang import http
 from engine_patches.sglang.records import MAX_LINE_BYTES, record_from_response
+# NOTE: re-exported (the client's name since 0.1); token-aware: next_start(prev, new_prompt_ids)
+from routereplay.multi_turn import next_start  # noqa: F401
+from routereplay.record import RoutingRecord, SamplingInfo, sampling_from_sglang
 from routereplay.errors import ConfigError
-from routereplay.record import RoutingRecord
 from routereplay.schema import RoutingSchema
 
 RETRY_STATUS = http.RETRY_STATUS
@@ -61,11 +63,6 @@ def with_routing(payload: Mapping[str, Any], start_len: int = 0) -> dict[str, An
     p["return_routed_experts"] = True
     p["routed_experts_start_len"] = int(start_len)
     return p
-
-
-def next_start(previous: RoutingRecord) -> int:
-    """The first token position whose routing ``previous`` (an earlier turn) lacks."""
-    return previous.start + previous.num_tokens
 
 
 def _count(v: Any) -> int | None:
@@ -256,7 +253,8 @@ class AsyncSGLangRoutingClient:
                                         num_fused_shared_experts=self.num_fused_shared_experts))
         rec = await asyncio.to_thread(
             record_from_response, resp, self.schema, start_len=start_len, prompt_ids=ids,
-            sample_id=sample_id, num_fused_shared_experts=self.num_fused_shared_experts)
+            sample_id=sample_id, num_fused_shared_experts=self.num_fused_shared_experts,
+            sampling=request_sampling(payload, kind))
         if self.writer is not None:
             async with self._wlock:              # NOTE: one writer call at a time
                 await asyncio.to_thread(self.writer.write, rec)
@@ -377,6 +375,21 @@ class SGLangRoutingClient:
                             start_len=start_len, sample_id=sample_id)
 
 
+def request_sampling(payload: Mapping[str, Any], kind: str = "generate") -> SamplingInfo:
+    """The sampling parameters behind a request's log-probs
+    (routereplay.record.sampling_from_sglang): ``/generate`` payloads carry them in
+    ``sampling_params``; OpenAI payloads at the top level (SGLang's OpenAI adapter maps
+    ``temperature``, ``top_p``, ``top_k``, ``min_p`` and the penalties onto the same)."""
+    if kind == "generate":
+        sp = payload.get("sampling_params")
+    else:
+        sp = {k: payload[k] for k in ("temperature", "top_p", "top_k", "min_p",
+                                      "frequency_penalty", "presence_penalty",
+                                      "repetition_penalty") if k in payload}
+    return sampling_from_sglang(sp if isinstance(sp, Mapping) else None,
+                                custom_logit_processor=payload.get("custom_logit_processor"))
+
+
 def engine_generate(engine: Any, schema: RoutingSchema, *, input_ids: Sequence[int],
                     sampling_params: Mapping[str, Any], start_len: int = 0, writer=None,
                     sample_id: str | None = None, num_fused_shared_experts: int = 0,
@@ -389,7 +402,10 @@ def engine_generate(engine: Any, schema: RoutingSchema, *, input_ids: Sequence[i
                            return_routed_experts=True, routed_experts_start_len=start_len, **kw)
     rec = record_from_response(resp, schema, start_len=start_len, prompt_ids=input_ids,
                                sample_id=sample_id,
-                               num_fused_shared_experts=num_fused_shared_experts)
+                               num_fused_shared_experts=num_fused_shared_experts,
+                               sampling=sampling_from_sglang(
+                                   sampling_params,
+                                   custom_logit_processor=kw.get("custom_logit_processor")))
     if writer is not None:
         writer.write(rec)
     return resp, rec

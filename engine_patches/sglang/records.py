@@ -25,7 +25,7 @@ import numpy as np
 
 from routereplay import wire
 from routereplay.errors import RecordError
-from routereplay.record import RoutingRecord, check_written_rows, checked_moe_ids
+from routereplay.record import RoutingRecord, SamplingInfo, check_written_rows, checked_moe_ids
 from routereplay.schema import RoutingSchema
 from routereplay.weight_versions import output_spans_to_rows
 
@@ -66,7 +66,8 @@ def decode_routed_experts(b64: str, schema: RoutingSchema, rid: str,
 def record_from_response(resp: Mapping[str, Any], schema: RoutingSchema, *,
                          start_len: int | None = None, prompt_ids: Sequence[int] | None = None,
                          sample_id: str | None = None, num_fused_shared_experts: int = 0,
-                         engine: str = "sglang") -> RoutingRecord:
+                         engine: str = "sglang",
+                         sampling: SamplingInfo | None = None) -> RoutingRecord:
     """One SGLang response -> a validated RoutingRecord.
 
     Args:
@@ -86,6 +87,9 @@ def record_from_response(resp: Mapping[str, Any], schema: RoutingSchema, *,
         num_fused_shared_experts: fused shared-expert columns the payload carries per row
             (0 for SGLang 0.5.23, which strips them).
         engine: the record's engine label.
+        sampling: the sampling parameters behind the response's log-probs
+            (routereplay.record.sampling_from_sglang of the request's ``sampling_params``;
+            the clients here pass it), kept where the record has log-probs.
     Returns:
         record with ids [seqlen - 1 - start_len, L_moe, top_k] (``schema.id_dtype``:
         uint8 up to 256 experts, else uint16) from position start_len;
@@ -110,7 +114,7 @@ def record_from_response(resp: Mapping[str, Any], schema: RoutingSchema, *,
         return _record_from_response(resp, schema, start_len=start_len, prompt_ids=prompt_ids,
                                      sample_id=sample_id,
                                      num_fused_shared_experts=num_fused_shared_experts,
-                                     engine=engine)
+                                     engine=engine, sampling=sampling)
     except RecordError:
         raise
     except (TypeError, ValueError, OverflowError, AttributeError, IndexError, KeyError) as e:
@@ -125,7 +129,8 @@ def record_from_response(resp: Mapping[str, Any], schema: RoutingSchema, *,
 def _record_from_response(resp: Mapping[str, Any], schema: RoutingSchema, *,
                           start_len: int | None = None, prompt_ids: Sequence[int] | None = None,
                           sample_id: str | None = None, num_fused_shared_experts: int = 0,
-                          engine: str = "sglang") -> RoutingRecord:
+                          engine: str = "sglang",
+                          sampling: SamplingInfo | None = None) -> RoutingRecord:
     """The work of :func:`record_from_response`; foreign exceptions pass out."""
     f = wire.sglang_fields(resp)
     rid = str(f.id if f.id is not None else sample_id)
@@ -227,7 +232,9 @@ def _record_from_response(resp: Mapping[str, Any], schema: RoutingSchema, *,
     rec = RoutingRecord(sample_id=sid, expert_ids=ids, start=start_len, prompt_len=prompt_len,
                         token_ids=token_ids, logprobs=logprobs if token_ids is not None else None,
                         weight_versions=versions, recomputed=recomputed,
-                        prefix_cached=[(0, cached)] if cached else [], engine=engine)
+                        prefix_cached=[(0, cached)] if cached else [], engine=engine,
+                        sampling=sampling if logprobs is not None and token_ids is not None
+                        else None)
     rec.validate(schema)
     check_written_rows(ids, sid, start_len)
     return rec

@@ -37,8 +37,9 @@ import weakref
 from typing import Any
 
 from engine_patches.vllm import check_vllm_version
-from engine_patches.vllm.records import record_from_parts, sample_key
+from engine_patches.vllm.records import record_from_parts, sample_key, sampling_from_vllm
 from routereplay.errors import RouteReplayError, StreamExistsError
+from routereplay.record import SamplingInfo
 from routereplay.schema import RoutingSchema
 from routereplay.weight_versions import check_version_label
 
@@ -77,6 +78,7 @@ class _RequestInfo:
     start: int = 0
     sample_id: str | None = None
     attempt: int | None = None
+    sampling: SamplingInfo | None = None
 
 
 def unique_stream_stem(prefix: str) -> str:
@@ -105,6 +107,7 @@ class Streamer:
         self.reference = reference
         self.codec = codec
         self.schema = schema
+        self.logprobs_mode = "raw_logprobs"     # ModelConfig.logprobs_mode, set at start-up
         self.base = self._resolve()             # NOTE: a bad destination fails at start-up
         self.lock = threading.RLock()
         self.writer = None
@@ -262,6 +265,13 @@ class Streamer:
             info.sample_id = str(extra[SAMPLE_ID_ARG])
         if extra.get(ATTEMPT_ARG) is not None:
             info.attempt = extra[ATTEMPT_ARG]
+        if sp is not None and sp.logprobs is not None:
+            try:
+                info.sampling = sampling_from_vllm(sp, self.logprobs_mode)
+            except RouteReplayError as e:
+                # NOTE: the record is still written, its sampling unknown (verify says so)
+                log.error("routereplay: request %s: sampling parameters not recorded: %s",
+                          getattr(request, "request_id", "?"), e)
         self.requests[state] = info
 
     def on_finished(self, state: Any, output: Any) -> None:
@@ -302,7 +312,7 @@ class Streamer:
             logprobs=state.logprobs_processor.logprobs,
             weight_versions=output.weight_versions,
             num_cached_tokens=int(state.num_cached_tokens or 0),
-            engine=f"vllm {VLLM_VERSION}")
+            engine=f"vllm {VLLM_VERSION}", sampling=info.sampling)
         final = rec.weight_versions[-1].version if rec.weight_versions else None
         with self.lock:
             if self.version is None and self.writer is None:
@@ -374,8 +384,9 @@ def install(dest: str, *, reference: bool = False, codec: str | None = None,
 
     def ip_init(self, vllm_config, *a, **k):
         orig_ip_init(self, vllm_config, *a, **k)
+        mc = vllm_config.model_config
+        st.logprobs_mode = str(getattr(mc, "logprobs_mode", None) or "raw_logprobs")
         if st.schema is None:
-            mc = vllm_config.model_config
             try:
                 st.schema = RoutingSchema.from_hf_config(getattr(mc, "hf_text_config", None)
                                                          or mc.hf_config)

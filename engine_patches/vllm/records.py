@@ -5,7 +5,10 @@ vLLM 0.32 conventions (``vllm/outputs.py``):
   num_hidden_layers, top_k], logical expert ids (captured before the EPLB mapping), prompt
   rows included from ``SamplingParams.routed_experts_prompt_start``, dense layers zero.
 - ``CompletionOutput.weight_versions``: spans over *output* token indexes.
-- ``CompletionOutput.logprobs[i][token_ids[i]].logprob``: the sampled token's log-prob.
+- ``CompletionOutput.logprobs[i][token_ids[i]].logprob``: the sampled token's log-prob, as
+  ``ModelConfig.logprobs_mode`` (``--logprobs-mode``) defines it: ``raw_logprobs`` (the
+  default) before any sampling transform, ``processed_logprobs`` after them
+  (``vllm/v1/sample/sampler.py``).
 """
 from __future__ import annotations
 
@@ -14,7 +17,8 @@ from typing import Any
 import numpy as np
 
 from routereplay.errors import RecordError
-from routereplay.record import RoutingRecord, check_written_rows, checked_moe_ids
+from routereplay.record import (LOGPROB_MODES, RoutingRecord, SamplingInfo,
+                                check_written_rows, checked_moe_ids)
 from routereplay.schema import RoutingSchema
 from routereplay.weight_versions import output_spans_to_rows
 
@@ -33,9 +37,53 @@ def sample_key(sample_id: str, attempt: int | None = None, *, aborted: bool = Fa
     return f"{key}!aborted" if aborted else key
 
 
+# SamplingParams fields (vLLM 0.32) of the logit transforms other than temperature, top_k,
+# top_p and min_p, with the value that means "off". vLLM's sampler applies them after its raw
+# log-probs and before its processed ones; the grammar mask of structured outputs is applied
+# by the model runner before the sampler, so it changes both (gpu_model_runner.py).
+VLLM_PROCESSORS = {"presence_penalty": 0.0, "frequency_penalty": 0.0,
+                   "repetition_penalty": 1.0, "logit_bias": None, "allowed_token_ids": None,
+                   "bad_words": None, "min_tokens": 0, "thinking_token_budget": None}
+
+
+def sampling_from_vllm(params: Any, logprobs_mode: str = "raw_logprobs") -> SamplingInfo:
+    """The :class:`~routereplay.record.SamplingInfo` of a request.
+
+    Args:
+        params: the request's ``vllm.SamplingParams`` (after its ``__post_init__``, which
+            sets top_p 1, top_k 0 and min_p 0 for temperature < 1e-5).
+        logprobs_mode: the engine's ``ModelConfig.logprobs_mode`` (``LLM(logprobs_mode=...)``,
+            ``--logprobs-mode``; vLLM 0.32 default ``raw_logprobs``).
+    Returns:
+        temperature, top_p, top_k (vLLM's -1 as 0: off), min_p as requested; ``processors``:
+        the :data:`VLLM_PROCESSORS` set to other than "off" in a processed mode, and
+        ``structured_outputs`` in any mode when the request has them. NOTE: logits
+        processors loaded into the engine (``--logits-processors``) are not visible here.
+    Raises:
+        RecordError: a parameter of the wrong type or range, or an unknown mode.
+    """
+    if logprobs_mode not in LOGPROB_MODES or logprobs_mode == "temperature_logprobs":
+        raise RecordError(f"unknown vLLM logprobs_mode {logprobs_mode!r} (vLLM 0.32: "
+                          "raw_logprobs, processed_logprobs, raw_logits, processed_logits)")
+    procs = []
+    if logprobs_mode.startswith("processed"):
+        procs = [k for k, off in VLLM_PROCESSORS.items()
+                 if getattr(params, k, off) not in (off, None, [], {})]
+    if getattr(params, "structured_outputs", None) is not None:
+        procs.append("structured_outputs")
+    try:
+        temperature, top_p, top_k, min_p = (float(params.temperature), float(params.top_p),
+                                            int(params.top_k), float(params.min_p))
+    except (AttributeError, TypeError, ValueError, OverflowError) as e:
+        raise RecordError(f"malformed SamplingParams ({type(e).__name__}: {e})"[:300]) from None
+    return SamplingInfo(logprobs_mode, temperature=temperature, top_p=top_p,
+                        top_k=max(top_k, 0), min_p=min_p, processors=tuple(procs))
+
+
 def record_from_output(output: Any, schema: RoutingSchema, *, sample_id: str | None = None,
                        attempt: int | None = None, start: int = 0,
-                       engine: str = "vllm") -> RoutingRecord:
+                       engine: str = "vllm",
+                       sampling: SamplingInfo | None = None) -> RoutingRecord:
     """Build a validated RoutingRecord from one ``vllm.RequestOutput`` (first completion).
 
     Args:
@@ -47,6 +95,9 @@ def record_from_output(output: Any, schema: RoutingSchema, *, sample_id: str | N
             (``<id>@<attempt>`` for attempt > 0, ``<key>!aborted`` for an aborted
             completion).
         start: the request's ``routed_experts_prompt_start``.
+        sampling: :func:`sampling_from_vllm` of the request's SamplingParams and the
+            engine's ``logprobs_mode`` (a ``RequestOutput`` carries neither); kept only with
+            log-probs, which it describes.
     Returns:
         record with ids [P + G - 1 - start, L_moe, top_k], token ids, sampled-token
         log-probs (if requested with ``logprobs=0``) and weight-version spans over token
@@ -64,13 +115,15 @@ def record_from_output(output: Any, schema: RoutingSchema, *, sample_id: str | N
         sid, schema, prompt=list(output.prompt_token_ids or []), generated=list(c.token_ids),
         routed_experts=c.routed_experts, start=start, logprobs=c.logprobs,
         weight_versions=c.weight_versions,
-        num_cached_tokens=int(getattr(output, "num_cached_tokens", 0) or 0), engine=engine)
+        num_cached_tokens=int(getattr(output, "num_cached_tokens", 0) or 0), engine=engine,
+        sampling=sampling)
 
 
 def record_from_parts(sid: str, schema: RoutingSchema, *, prompt: list[int], generated: list[int],
                       routed_experts: Any, start: int = 0, logprobs: Any = None,
                       weight_versions: Any = None, num_cached_tokens: int = 0,
-                      engine: str = "vllm") -> RoutingRecord:
+                      engine: str = "vllm",
+                      sampling: SamplingInfo | None = None) -> RoutingRecord:
     """The record of one finished completion from its parts (see :func:`record_from_output`).
 
     Args:
@@ -79,6 +132,9 @@ def record_from_parts(sid: str, schema: RoutingSchema, *, prompt: list[int], gen
         logprobs: ``CompletionOutput.logprobs`` (one mapping token -> Logprob per generated
             token) or None.
         weight_versions: ``CompletionOutput.weight_versions`` (spans over output tokens).
+        sampling: what the log-probs mean (:func:`sampling_from_vllm`); stored only with
+            ``logprobs`` (without them it describes nothing, and format-3 readers before
+            the SAMPLING field refuse records that carry it).
     Raises:
         RecordError: naming the sample (routing missing, wrong row count, bad ids, rows
             never written: routereplay.record.check_written_rows).
@@ -127,7 +183,8 @@ def record_from_parts(sid: str, schema: RoutingSchema, *, prompt: list[int], gen
         rec = RoutingRecord(
             sample_id=sid, expert_ids=ids, start=start, prompt_len=len(prompt),
             token_ids=tokens.astype(np.int32), logprobs=lp, weight_versions=spans,
-            prefix_cached=[(0, cached)] if cached else [], engine=engine)
+            prefix_cached=[(0, cached)] if cached else [], engine=engine,
+            sampling=sampling if lp is not None else None)
     except RecordError:
         raise
     except (KeyError, IndexError, TypeError, ValueError, AttributeError, OverflowError) as e:

@@ -738,6 +738,11 @@ def _cmd_verify(a: argparse.Namespace) -> int:
         if rec.token_ids is None or rec.logprobs is None or rec.prompt_len is None:
             raise AlignmentError(f"sample {rec.sample_id!r}: the sidecar holds no token ids, "
                                  "prompt length or engine log-probs to verify against")
+    # NOTE: before the model loads: a record whose log-probs cannot be compared like with
+    # like (logits, penalties; a transform the megatron harness lacks) is refused by name
+    verify.sampling_notes(records)
+    if a.trainer == "megatron":
+        verify.check_full_vocabulary(records, "megatron")
     if a.trainer == "hf":
         from trainer_hooks.hf.recompute import recompute     # lazy: trainer side
         summary = verify.summarize(records, recompute(a.model, records, schema,

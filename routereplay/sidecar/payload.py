@@ -27,7 +27,8 @@ import zstandard
 
 from routereplay import codec as _codec
 from routereplay.errors import RecordError, SidecarError
-from routereplay.record import RoutingRecord, WeightVersionSpan
+from routereplay.record import (MAX_SAMPLING_PROCESSORS, RoutingRecord, SamplingInfo,
+                              WeightVersionSpan)
 from routereplay.schema import RoutingSchema
 from routereplay.sidecar.layout import (DEFAULT_LAYER_GROUP, DEFAULT_MIN_SECTION_BYTES,
                                         DEFAULT_ONE_SECTION_BYTES,
@@ -82,7 +83,9 @@ LEGACY_HINT = ("; a stream of an earlier writer (before the reader floors: tiny 
 # version-3 meta flags (docs/FORMAT.md "Version 3 meta")
 F_GRID, F_START, F_PROMPT_LEN, F_TOKEN_IDS, F_LOGPROBS = 1, 2, 4, 8, 16
 F_WEIGHT_VERSIONS, F_ENGINE, F_RECOMPUTED, F_PREFIX_CACHED = 32, 64, 128, 256
-_KNOWN_FLAGS = 511
+F_SAMPLING = 512         # NOTE: a format-3 addition: readers before it refuse such records
+_KNOWN_FLAGS = 1023
+_F64 = struct.Struct("<d")
 # NOTE: strings (sample ids, versions, engine) are UTF-8, lone surrogates included as their
 # 3-byte forms (Python's "surrogatepass"): a str that version 2's JSON meta could carry
 # (as a \ud800 escape) stays writable.
@@ -252,6 +255,7 @@ class RecordMeta:
     engine: str = ""
     sections: tuple[Section, ...] = ()
     grid: Grid | None = None
+    sampling: SamplingInfo | None = None
 
     def versions(self) -> list[str]:
         """Distinct weight versions, in order of first appearance."""
@@ -456,7 +460,8 @@ def _encode_v3(record: RoutingRecord, schema: RoutingSchema, codec: str, layer_g
     meta = encode_meta(record.sample_id, t, b_rows if grid else None, g_layers if grid else None,
                        start=int(record.start), prompt_len=record.prompt_len,
                        arrays=dict(arrays), weight_versions=wv, engine=record.engine,
-                       recomputed=record.recomputed, prefix_cached=record.prefix_cached)
+                       recomputed=record.recomputed, prefix_cached=record.prefix_cached,
+                       sampling=record.sampling)
     if len(meta) > MAX_JSON_BYTES:
         raise RecordError(f"sample {str(record.sample_id)[:80]!r}: record meta of {len(meta)} "
                           f"bytes exceeds the reader's limit of {MAX_JSON_BYTES} bytes")
@@ -587,12 +592,13 @@ def encode_meta(sample_id: str, num_tokens: int, token_block: int | None = None,
                 layer_group: int | None = None, *, start: int = 0,
                 prompt_len: int | None = None, arrays: dict[str, int] | None = None,
                 weight_versions: Any = (), engine: str = "", recomputed: Any = (),
-                prefix_cached: Any = ()) -> bytes:
+                prefix_cached: Any = (), sampling: SamplingInfo | None = None) -> bytes:
     """Version-3 binary meta (docs/FORMAT.md "Version 3 meta"): flags, sample id, T, then
     the fields the flags announce. ``token_block`` and ``layer_group`` (both or neither):
     the record's section grid (None: one routing section). ``arrays``: {"token_ids": N,
     "logprobs": G} of the array sections present. Spans: (version, start, end) and
-    (start, end) with non-negative positions."""
+    (start, end) with non-negative positions. ``sampling``: a validated SamplingInfo (the
+    SAMPLING field, flag bit 9), or None."""
     arrays = arrays or {}
     flags = 0
     tail: list[bytes] = []
@@ -625,6 +631,15 @@ def encode_meta(sample_id: str, num_tokens: int, token_block: int | None = None,
             tail.append(varint(len(spans)))
             for a, b in spans:
                 tail += [varint(int(a)), varint(int(b) - int(a))]
+    if sampling is not None:
+        flags |= F_SAMPLING
+        mode = sampling.logprobs_mode.encode(*UTF8)
+        tail += [varint(len(mode)), mode, _F64.pack(sampling.temperature),
+                 _F64.pack(sampling.top_p), varint(sampling.top_k), _F64.pack(sampling.min_p),
+                 varint(len(sampling.processors))]
+        for name in sampling.processors:
+            nb = name.encode(*UTF8)
+            tail += [varint(len(nb)), nb]
     sid = sample_id.encode(*UTF8)
     return b"".join([varint(flags), varint(len(sid)), sid, varint(num_tokens)] + tail)
 
@@ -673,6 +688,28 @@ class _Cursor:
             raise MetaError(f"{what} is not UTF-8") from None
         self.pos += n
         return s
+
+    def f64(self, what: str) -> float:
+        if self.pos + 8 > len(self.buf):
+            raise MetaError(f"{what} runs past the meta")
+        (v,) = _F64.unpack(self.buf[self.pos:self.pos + 8])
+        self.pos += 8
+        return v
+
+    def sampling(self) -> SamplingInfo:
+        """The SAMPLING field (docs/FORMAT.md "Version 3 meta"), validated."""
+        mode = self.text("sampling mode")
+        temperature, top_p = self.f64("sampling temperature"), self.f64("sampling top_p")
+        top_k, min_p = self.uint("sampling top_k"), self.f64("sampling min_p")
+        n = self.uint("sampling processors count")
+        if n > MAX_SAMPLING_PROCESSORS:
+            raise MetaError(f"sampling processors count {n} above {MAX_SAMPLING_PROCESSORS}")
+        procs = tuple(self.text("sampling processor") for _ in range(n))
+        try:
+            return SamplingInfo(mode, temperature=temperature, top_p=top_p, top_k=top_k,
+                                min_p=min_p, processors=procs)
+        except RecordError as e:
+            raise MetaError(str(e)) from None
 
     def spans(self, what: str) -> list[tuple[int, int]]:
         n = self.uint(what + " count")
@@ -736,6 +773,7 @@ def decode_head(head: bytes | memoryview, schema: RoutingSchema, payload_len: in
         engine = cur.text("engine") if flags & F_ENGINE else ""
         recomputed = cur.spans("recomputed") if flags & F_RECOMPUTED else []
         prefix_cached = cur.spans("prefix_cached") if flags & F_PREFIX_CACHED else []
+        sampling = cur.sampling() if flags & F_SAMPLING else None
         if cur.pos != len(head):
             raise MetaError(f"{len(head) - cur.pos} bytes after the meta's last field")
         check_counts(t, start, prompt_len, n_tok, n_lp)
@@ -761,7 +799,8 @@ def decode_head(head: bytes | memoryview, schema: RoutingSchema, payload_len: in
                            + f": {e}", offset=offset, sample_id=sid) from None
     return RecordMeta(sample_id=sid, num_tokens=t, start=start, prompt_len=prompt_len,
                       weight_versions=tuple(spans), recomputed=tuple(recomputed),
-                      prefix_cached=tuple(prefix_cached), engine=engine, grid=grid)
+                      prefix_cached=tuple(prefix_cached), engine=engine, grid=grid,
+                      sampling=sampling)
 
 
 def section_crc(index: int, codec_byte: int, data: bytes | memoryview) -> int:

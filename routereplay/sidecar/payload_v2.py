@@ -21,7 +21,7 @@ import zstandard
 
 from routereplay import codec as _codec
 from routereplay.errors import RecordError, SidecarError
-from routereplay.record import RoutingRecord
+from routereplay.record import RoutingRecord, SamplingInfo
 from routereplay.schema import RoutingSchema
 from routereplay.sidecar.layout import MAX_JSON_BYTES, MAX_TOKENS, V2_LAYER_GROUP
 from routereplay.sidecar.payload import (ARRAY_SECTIONS, EXPANSION, EXPANSION_SLACK,
@@ -30,7 +30,8 @@ from routereplay.sidecar.payload import (ARRAY_SECTIONS, EXPANSION, EXPANSION_SL
 
 # Meta keys a version-2 writer leaves out when they hold their default.
 META_DEFAULTS: dict[str, Any] = {"start": 0, "prompt_len": None, "weight_versions": [],
-                                 "recomputed": [], "prefix_cached": [], "engine": ""}
+                                 "recomputed": [], "prefix_cached": [], "engine": "",
+                                 "sampling": None}
 
 
 def encode_payload_v2(record: RoutingRecord, schema: RoutingSchema, codec: str,
@@ -160,6 +161,13 @@ def _validate(meta: dict[str, Any], schema: RoutingSchema, body_len: int) -> Rec
     if pl is not None and (not is_int(pl) or pl < 0):
         raise MetaError("prompt_len not a non-negative integer")
     spans, flags = parse_spans(meta)
+    sampling = None
+    if meta.get("sampling") is not None:
+        # NOTE: an addition to version 2's meta: readers before it ignore the key
+        try:
+            sampling = SamplingInfo.from_json(meta["sampling"])
+        except (RecordError, TypeError) as e:
+            raise MetaError(str(e)) from None
     covered: list[int] = []
     arrays: dict[str, int] = {}
     too_big = ""
@@ -199,7 +207,8 @@ def _validate(meta: dict[str, Any], schema: RoutingSchema, body_len: int) -> Rec
     return RecordMeta(sample_id=meta["sample_id"], num_tokens=t, start=meta["start"],
                       prompt_len=pl, weight_versions=tuple(spans),
                       recomputed=flags["recomputed"], prefix_cached=flags["prefix_cached"],
-                      engine=meta["engine"], sections=tuple(meta["sections"]))
+                      engine=meta["engine"], sections=tuple(meta["sections"]),
+                      sampling=sampling)
 
 
 def peek_sample_id_v2(payload: bytes | memoryview) -> str | None:

@@ -923,7 +923,7 @@ class SidecarReader:
                 prompt_len=meta.prompt_len, token_ids=arrs.get("token_ids"),
                 logprobs=arrs.get("logprobs"), weight_versions=list(meta.weight_versions),
                 recomputed=list(meta.recomputed), prefix_cached=list(meta.prefix_cached),
-                engine=meta.engine)
+                engine=meta.engine, sampling=meta.sampling)
         meta, sections, off = self._record_sections(sample_id, want, arrays)
         r0, r1 = 0, meta.num_tokens
         if tokens is not None:
@@ -936,7 +936,7 @@ class SidecarReader:
             prompt_len=meta.prompt_len, token_ids=sections.get("token_ids"),
             logprobs=sections.get("logprobs"), weight_versions=list(meta.weight_versions),
             recomputed=list(meta.recomputed), prefix_cached=list(meta.prefix_cached),
-            engine=meta.engine)
+            engine=meta.engine, sampling=meta.sampling)
 
     @_serialized
     def fetch(self, sample_id: str, moe_layers: Sequence[int],

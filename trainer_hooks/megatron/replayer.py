@@ -65,8 +65,11 @@ import concurrent.futures
 import contextlib
 import dataclasses
 import functools
+import inspect
 import threading
 import time
+import types
+import warnings
 from typing import Any, Callable, Iterator, Mapping, Sequence
 
 import numpy as np
@@ -75,9 +78,11 @@ import torch
 from routereplay import align
 from routereplay.errors import (AlignmentError, ConfigError, RouteReplayError, SchemaError,
                                 UnknownSampleError)
+from routereplay.disaggregation import check_request_key
 from routereplay.schema import RoutingSchema, schema_layers_for
 from routereplay.source import (NoRouting, RoutingSource, TokenRowSource, as_source,
-                                source_token_ids)
+                                sorted_order_samples, source_token_ids)
+from trainer_hooks.megatron.version import MCORE_VERSION
 
 _ABSENT = object()
 
@@ -202,6 +207,11 @@ class ReplayStats:
             records' token ids (microbatches given ``tokens``).
         recorded_rows: (token, layer) rows recorded for R2 (``step(..., record=True)``),
             padding rows excluded.
+        sorted_order_samples: samples of the step (with tokens in their layout) whose rows
+            the source holds in sorted column order (a stream written with
+            ``column_order="sorted"``): replayed with the recorded expert sets but not the
+            engine's top-k slot order (:func:`routereplay.source.sorted_order_samples`;
+            the step also warns once).
     """
 
     bytes_decoded: int = 0
@@ -218,6 +228,7 @@ class ReplayStats:
     select_seconds: float = 0.0
     token_checked_samples: int = 0
     recorded_rows: int = 0
+    sorted_order_samples: int = 0
 
     @property
     def blocking_seconds(self) -> float:
@@ -233,7 +244,7 @@ class ReplayStats:
         ``fallback_rows``, ``dropped_assignments``, ``bytes_decoded`` (bytes),
         ``peak_bytes_held`` (bytes), ``blocking_seconds``, ``wait_seconds``,
         ``select_seconds``, ``load_seconds`` (seconds), ``microbatches``,
-        ``token_checked_samples``, ``recorded_rows``.
+        ``token_checked_samples``, ``recorded_rows``, ``sorted_order_samples``.
         """
         rows = self.replayed_rows + self.fallback_rows
         m = {"replayed_fraction": self.replayed_rows / rows if rows else 0.0,
@@ -245,7 +256,8 @@ class ReplayStats:
              "select_seconds": self.select_seconds, "load_seconds": self.load_seconds,
              "microbatches": self.microbatches,
              "token_checked_samples": self.token_checked_samples,
-             "recorded_rows": self.recorded_rows}
+             "recorded_rows": self.recorded_rows,
+             "sorted_order_samples": self.sorted_order_samples}
         return {prefix + k: v for k, v in m.items()}
 
 
@@ -298,6 +310,37 @@ class RouterCall:
     layer_id: int
     recompute: bool
     used: torch.Tensor | None
+
+
+def _expert_bias_masks_experts(router_cls: type) -> bool:
+    """Whether ``router_cls._apply_expert_bias`` (megatron-core's ``TopKRouter``) applies
+    the flattened ``padding_mask`` bool [tokens] along the expert axis of ``routing_map``
+    bool [tokens, experts] (``routing_map & (~padding_mask)``, megatron-core 0.16.1 to at
+    least 0.19.2; NVIDIA/Megatron-LM issue #6111, fixed by PR #6114): a shape error in
+    every grad-enabled forward with expert bias and a padding mask, unless tokens ==
+    experts, where it silently counts the wrong experts.
+
+    Probed, not read from the version, so a patched router is accepted: the undecorated
+    function (``jit_fuser`` is ``torch.compile`` on torch >= 2.2; nothing is compiled) runs
+    on a 2-token, 3-expert map with token 1 padding and must count [1, 1, 0]. False where
+    the method is missing or cannot be probed (nothing to refuse).
+    """
+    fn = getattr(router_cls, "_apply_expert_bias", None)
+    if fn is None:
+        return False
+    fn = inspect.unwrap(fn)
+    fn = getattr(fn, "_torchdynamo_orig_callable", fn)
+    probe = types.SimpleNamespace(enable_expert_bias=True,
+                                  local_tokens_per_expert=torch.zeros(3))
+    routing_map = torch.tensor([[True, True, False], [False, True, True]])
+    try:
+        with torch.enable_grad():
+            fn(probe, routing_map, padding_mask=torch.tensor([False, True]))
+    except RuntimeError:
+        return True
+    except Exception:      # an implementation this probe does not fit: nothing to refuse
+        return False
+    return probe.local_tokens_per_expert.tolist() != [1.0, 1.0, 0.0]
 
 
 def _unwrap_config(chunk: Any):
@@ -393,7 +436,11 @@ class RouterReplayer:
     Raises:
         SchemaError: see :func:`check_config`; a router's layer is not an MoE layer of the
             schema.
-        ConfigError: a bad ``fallback`` or ``prefetch``.
+        ConfigError: a bad ``fallback`` or ``prefetch``. Also, in a step, a model call with
+            ``padding_mask=`` and grad enabled on a model with
+            ``moe_router_enable_expert_bias=True`` whose routers mis-apply the padding mask
+            (megatron-core 0.16.1-0.19.2: docs/megatron.md, "Padding mask and expert
+            bias"), raised before megatron's shape error (or its silent miscount).
 
     Attributes:
         layers: per model chunk, ``[(router module, decoder layer id), ...]`` in layer order
@@ -431,6 +478,11 @@ class RouterReplayer:
         self.own_topk: TopK = megatron_topk
         self.on_used: Callable[..., None] | None = None
         self._discover()
+        # NOTE: megatron-core's own bug (see _expert_bias_masks_experts), refused per forward
+        # by a chunk pre-hook with a message naming the ways around it
+        self._refuse_padding_mask = bool(getattr(cfg, "moe_router_enable_expert_bias", False)) \
+            and any(_expert_bias_masks_experts(type(r))
+                    for r in {type(r): r for ch in self.layers for r, _ in ch}.values())
         self._dtype = align.replay_dtype(schema.num_experts)
         self.stats = ReplayStats()
         self._lock = threading.Lock()
@@ -536,6 +588,8 @@ class RouterReplayer:
             UnknownSampleError (a KeyError): sample ids missing from the source (names them
                 with their microbatch keys).
             AlignmentError: a sample id named twice in the step (names both places).
+            RecordError: a prefill/decode leg key (``<uid>#prefill``, ``<uid>#decode``) named
+                as a whole request (routereplay.disaggregation.check_request_key).
             ConfigError: ``record`` with ``fallback="dummy"``.
             SchemaError / RecordError / ConfigError: see routereplay.source.as_source.
         """
@@ -554,7 +608,7 @@ class RouterReplayer:
         self._source: RoutingSource = as_source(source, self.schema)
         self._mbs = dict(enumerate(microbatches)) if not isinstance(microbatches, Mapping) \
             else dict(microbatches)
-        self._check_samples()
+        step_ids = self._check_samples()
         self._order = list(self._mbs)
         self._pos = {k: i for i, k in enumerate(self._order)}
         self._shard = shard or _current_shard(self.config)
@@ -569,6 +623,22 @@ class RouterReplayer:
         self._record = record
         self._recorded: list[tuple[Any, int, align.TokenMap, torch.Tensor]] = []
         self.stats = ReplayStats()
+        srt = sorted_order_samples(self._source, step_ids)
+        self.stats.sorted_order_samples = len(srt)
+        if srt:
+            # NOTE: once per step (never per router call); stacklevel: the caller's `with`
+            more = f" and {len(srt) - 3} more" if len(srt) > 3 else ""
+            warnings.warn(
+                f"routereplay: {len(srt)} of the step's {len(step_ids)} samples "
+                f"({', '.join(map(repr, srt[:3]))}{more}) are held in sorted column order "
+                "(a stream written with column_order='sorted'): they replay the recorded "
+                "expert sets, but each row's top-k slots are in ascending expert id, not "
+                "the engine's order, so what follows slot order (the sum normalising the k "
+                "gate weights, engines' combine order, ordered comparisons, R2 recordings) "
+                "can differ from the engine's in the last bits: not a bit-exact replay. "
+                "Write streams with column_order='engine' (the default) for bit-exact "
+                "replay (stats.sorted_order_samples counts these samples)",
+                RuntimeWarning, stacklevel=3)
         handle = ReplayStep(self.stats, record)
 
         # NOTE: megatron calls ``router_replay.get_replay_topk(...)`` on the instance, so the
@@ -593,6 +663,9 @@ class RouterReplayer:
                     if self._count_drops:
                         hooks.append(router.register_forward_hook(self._router_hook))
                 hooks.append(ch.register_forward_hook(self._chunk_output_hook(ci)))
+                if self._refuse_padding_mask and self.layers[ci]:
+                    hooks.append(ch.register_forward_pre_hook(self._padding_mask_hook(ci),
+                                                              with_kwargs=True))
                 first = _first_decoder_layer(ch)
                 if first is not None:
                     hooks.append(first.register_forward_pre_hook(self._layer_input_hook(ci),
@@ -637,9 +710,10 @@ class RouterReplayer:
             self._source = None
             self._active = False
 
-    def _check_samples(self) -> None:
+    def _check_samples(self) -> list[str]:
         """Every sample of the step with tokens in its layout is in the source, and no
-        sample id is named twice (checked at step entry, before any compute)."""
+        sample id is named twice (checked at step entry, before any compute). Returns
+        those sample ids, in step order."""
         seen: dict[str, tuple[Any, int]] = {}
         missing: list[tuple[str, Any]] = []
         for key, mb in self._mbs.items():
@@ -655,6 +729,7 @@ class RouterReplayer:
                                          f"microbatch {k0!r} slot {j0} and microbatch "
                                          f"{key!r} slot {j} (one forward per sample and step)")
                 seen[sid] = (key, j)
+                check_request_key(sid)           # NOTE: a P/D leg is not a whole request
                 if sid not in self._source:
                     missing.append((sid, key))
         if missing:
@@ -662,6 +737,7 @@ class RouterReplayer:
             named = ", ".join(f"{sid!r} (microbatch {key!r})" for sid, key in missing[:8])
             raise UnknownSampleError(f"{len(missing)} sample(s) of the step are not in the "
                                      f"routing source: {named}{more}", missing[0][0])
+        return list(seen)
 
     def _recorded_source(self) -> TokenRowSource:
         """The R2 rows of the step as a source (one synchronisation, at step exit, for the
@@ -943,6 +1019,28 @@ class RouterReplayer:
                     self._release(prev, ci)
                 self._bwd[ci] = key
             return _Tag.apply(out, begin)
+        return hook
+
+    def _padding_mask_hook(self, ci: int):
+        def hook(module, args, kwargs):
+            # NOTE: host check of the call's arguments (no device read), before megatron's
+            # first MoE layer raises its shape error or miscounts (_expert_bias_masks_experts)
+            if kwargs.get("padding_mask") is None or not torch.is_grad_enabled():
+                return None
+            key = self._fwd[ci]
+            where = self._where_named(key, ci) if key is not None else \
+                f"model chunk {ci} (outside microbatch())"
+            raise ConfigError(
+                f"{where}: padding_mask= in a forward with grad enabled, on a model with "
+                f"moe_router_enable_expert_bias=True: megatron-core {MCORE_VERSION}'s "
+                "TopKRouter._apply_expert_bias masks routing_map [tokens, experts] with the "
+                "flattened padding_mask [tokens] along the expert axis (NVIDIA/Megatron-LM "
+                "issue #6111): a shape error, or wrong expert-bias token counts when tokens "
+                "== experts. Do not pass padding_mask (the replayer takes padding from the "
+                "Layout; padding tokens then count in the expert-bias loads), use a packed "
+                "THD layout, or patch _apply_expert_bias to mask with "
+                "padding_mask.unsqueeze(-1) (upstream PR #6114); docs/megatron.md, "
+                "'Padding mask and expert bias'")
         return hook
 
     def _layer_input_hook(self, ci: int):

@@ -91,6 +91,9 @@ def _worker(rank: int, o: Options) -> None:
     records = [reader.read(sid, moe_layers=None if rank == 0 else [], arrays=True)
                for sid in ids]
     check_records(records, schema)
+    # NOTE: passes.py takes the full-vocabulary log-softmax: records under a sampling
+    # transform are refused (with the reason) rather than compared unlike with like
+    verify.check_full_vocabulary(records, "megatron")
 
     t0 = time.perf_counter()
     cfg = conv.transformer_config(hf, **config_overrides(o.spec, o.recompute))
@@ -137,6 +140,7 @@ def _worker(rank: int, o: Options) -> None:
         for name in passes:
             result[name].update(summary[name])
         result["deltas"] = summary["deltas"]
+        result["sampling"] = summary["sampling"]
         lp = {k: v for p in parts for k, v in p.lp.items()}
         result["replay_backward"] = {"router_grad_norms": norms, "replay_stats": stats,
                                      "seconds": train.seconds, "loss": _loss(records, lp)}
