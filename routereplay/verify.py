@@ -91,7 +91,9 @@ def sampling_transform(record: RoutingRecord) -> Transform | None:
         raise AlignmentError(
             f"sample {sid!r}: the engine's log-probs ({mode}) include logit transforms "
             f"verify does not reproduce: {', '.join(smp.processors)}; the difference would "
-            "read as mismatch (record with logprobs_mode='raw_logprobs', or without them)")
+            "read as mismatch (vLLM: sample with logprobs_mode='raw_logprobs', where they "
+            "are taken before any logit transform; SGLang applies them before both of its "
+            "log-prob paths: sample without them to verify)")
     if mode == "raw_logprobs" or smp.temperature < GREEDY_TEMPERATURE:
         return Transform()
     if mode == "temperature_logprobs":
