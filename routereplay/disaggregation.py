@@ -185,4 +185,5 @@ def merge_pd_legs(prefill: RoutingRecord, decode: RoutingRecord, sample_id: str 
     return RoutingRecord(sample_id=sample_id, expert_ids=ids, start=start, prompt_len=p,
                          token_ids=decode.token_ids, logprobs=lp,
                          weight_versions=out.weight_versions, recomputed=out.recomputed,
-                         prefix_cached=out.prefix_cached, engine=engine)
+                         prefix_cached=out.prefix_cached, engine=engine,
+                         sampling=decode.sampling if lp is not None else None)

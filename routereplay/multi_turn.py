@@ -147,6 +147,17 @@ def assemble(pieces: Sequence[tuple[RoutingRecord, int, int]], sample_id: str, *
         raise RecordError(f"sample {sample_id!r}: no usable rows in any segment")
     start = min(lo for _, lo, hi in rng if lo < hi)
     end = max(hi for _, lo, hi in rng if lo < hi)
+    # NOTE: coverage from the intervals first, before allocating (end - start) rows: two
+    # turns at start 0 and 2^28 cost 1.8 GB before the gap was named (attacker review)
+    gaps, reach = [], start
+    for _, lo, hi in sorted((x for x in rng if x[1] < x[2]), key=lambda x: x[1]):
+        if lo > reach:
+            gaps.append((reach, lo))
+        reach = max(reach, hi)
+    if gaps:
+        shown = gaps[:8] + ([("...", len(gaps) - 8)] if len(gaps) > 8 else [])
+        raise RecordError(f"sample {sample_id!r}: token positions {shown} have no "
+                          f"routing{gap_hint}")
     ids = np.zeros((end - start,) + shape, dtype=dtype)
     have = np.zeros(end - start, dtype=bool)
     differs = np.zeros(end - start, dtype=bool)

@@ -79,11 +79,17 @@ class SamplingInfo:
     def __post_init__(self) -> None:
         def num(name: str, lo: float, hi: float, lo_open: bool = False) -> None:
             v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, (int, float, np.integer, np.floating)) \
-                    or not math.isfinite(v) or not (lo < v if lo_open else lo <= v) or v > hi:
+            try:            # NOTE: float() first: a 400-digit JSON integer overflows isfinite
+                f = None if isinstance(v, bool) or not isinstance(
+                    v, (int, float, np.integer, np.floating)) else float(v)
+            except (OverflowError, ValueError):
+                f = None
+            if f is None or not math.isfinite(f) or not (lo < f if lo_open else lo <= f) \
+                    or f > hi:
                 raise RecordError(f"sampling {name} must be a finite number in "
-                                  f"{'(' if lo_open else '['}{lo}, {hi}], got {v!r}")
-            object.__setattr__(self, name, float(v))
+                                  f"{'(' if lo_open else '['}{lo}, {hi}], got "
+                                  f"{str(v)[:40]!r}")
+            object.__setattr__(self, name, f)
         num("temperature", 0.0, math.inf)
         num("top_p", 0.0, 1.0, lo_open=True)
         num("min_p", 0.0, 1.0)
@@ -170,7 +176,7 @@ def sampling_from_sglang(sampling_params: Mapping[str, Any] | None, *,
         temp = float(sp.get("temperature", 1.0) if sp.get("temperature") is not None else 1.0)
         top_k = sp.get("top_k", -1)
         top_k = -1 if top_k is None else int(top_k)
-    except (TypeError, ValueError):
+    except (TypeError, ValueError, OverflowError):
         raise RecordError(f"SGLang sampling_params temperature / top_k not numbers: "
                           f"{str(sp)[:120]}") from None
     original = (_bool_env("SGLANG_RETURN_ORIGINAL_LOGPROB") if return_original_logprob is None

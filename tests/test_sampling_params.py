@@ -214,11 +214,13 @@ def test_sglang_helper(monkeypatch):
 
 # --------------------------------------------------------------------------- verify
 
-def _np_transformed(logits, targets, t):
-    """The transform written directly in numpy, float64, from vLLM 0.32's sampler."""
+def _np_transformed(logits, targets, t, keep_target=False):
+    """The transform written directly in numpy, float64, from vLLM 0.32's sampler;
+    ``keep_target``: the target stays in the kept set (what the trainer side computes)."""
     out = []
     for row, tgt in zip(np.asarray(logits, np.float64), targets):
         x = row / t.temperature
+        scaled = x[tgt]
         if t.min_p > 0:
             p = np.exp(x - x.max())
             p /= p.sum()
@@ -235,6 +237,9 @@ def _np_transformed(logits, targets, t):
             drop[-1] = False
             x = x.copy()
             x[order[drop]] = -np.inf
+        if keep_target:
+            x = x.copy()
+            x[tgt] = scaled
         m = x.max()
         lse = m + np.log(np.exp(x - m).sum())
         out.append(x[tgt] - lse)
@@ -261,8 +266,12 @@ def test_transform_matches_numpy_and_vllms_sampler(t):
     got = transformed_logprobs(torch.from_numpy(logits), torch.from_numpy(targets), t).numpy()
     want = _np_transformed(logits, targets, t)
     fin = np.isfinite(want)
-    assert (np.isfinite(got) == fin).all()
     np.testing.assert_allclose(got[fin], want[fin], atol=2e-5)
+    # a target the truncation drops stays in the trainer's set (the engine sampled it):
+    # its log-prob over the kept tokens plus itself, never -inf
+    assert np.isfinite(got).all()
+    np.testing.assert_allclose(got, _np_transformed(logits, targets, t, keep_target=True),
+                               atol=2e-5)
     if not t.identity and (t.top_k or t.top_p < 1):
         assert not fin.all()                         # the case exercises the truncation
     # vLLM's own temperature and top-k/top-p code (no min_p: a batch-state processor)

@@ -370,8 +370,9 @@ class SidecarWriter:
         except (TypeError, ValueError) as e:
             raise ConfigError(f"extra_header is not JSON-serialisable: {e}") from None
         if len(header) - 20 > MAX_JSON_BYTES:
-            raise ConfigError(f"extra_header makes a header JSON of {len(header) - 20} bytes, "
-                              f"above the reader's limit of {MAX_JSON_BYTES} bytes")
+            raise ConfigError(f"the stream header's JSON is {len(header) - 20} bytes (schema "
+                              f"and extra_header), above the reader's limit of "
+                              f"{MAX_JSON_BYTES} bytes")
         self.schema, self.codec, self._fsync = schema, codec, fsync
         self.layer_group, self.column_order = layer_group, column_order
         if xl_ans_seed is not None:
