@@ -156,3 +156,24 @@ def test_legs_written_by_two_engine_processes_merge_into_the_request(tmp_path):
     c, _, _ = _legs("vllm 0.32.0", 0)
     assert first == 0
     np.testing.assert_array_equal(ids, c["truth"])
+
+
+def test_the_merge_keeps_the_decode_legs_sampling_and_never_allocates_a_gap():
+    """(Attacker review) merge_pd_legs dropped the decode leg's SamplingInfo (verify then
+    compared its log-probs as a full-vocabulary log-softmax); merges allocated rows for the
+    whole position span before naming a gap (turns at 0 and 2^28: 1.8 GB)."""
+    import dataclasses
+    import time
+
+    from routereplay.disaggregation import merge_pd_legs
+    from routereplay.multi_turn import merge_segments
+    from routereplay.record import SamplingInfo
+    c, prefill, decode = _legs("vllm 0.32.0", P - 1)
+    smp = SamplingInfo("processed_logprobs", temperature=0.7, top_p=0.9)
+    assert merge_pd_legs(prefill, dataclasses.replace(decode, sampling=smp)).sampling == smp
+    a = RoutingRecord("t0", _rows(10, 1))
+    far = RoutingRecord("t1", _rows(10, 2), start=1 << 28)
+    t0 = time.perf_counter()
+    with pytest.raises(RecordError, match=r"token positions \[\(10, 268435456\)\] have no "):
+        merge_segments([a, far], "conv", assume_extends=True)
+    assert time.perf_counter() - t0 < 1.0

@@ -373,3 +373,20 @@ def test_the_sidecar_reader_returns_each_records_sampling(tmp_path):
     assert (gen.logprobs_mode, gen.temperature, gen.top_p) == ("temperature_logprobs", 0.5, 0.8)
     oa = request_sampling({"temperature": 0.5, "repetition_penalty": 1.2}, kind="chat")
     assert oa.temperature == 0.5 and oa.processors == ("repetition_penalty",)
+
+
+def test_a_huge_json_integer_in_a_sampling_meta_is_a_record_error_not_a_crash():
+    """(Attacker review) `"temperature": 10**400` (valid JSON) raised OverflowError out of
+    math.isfinite, which format 2's meta check let through, making the whole stream
+    unreadable; it is a RecordError now (a corrupt record, named), as NaN already was."""
+    import json as _json
+    big = "1" + "0" * 400
+    with pytest.raises(RecordError, match="temperature must be a finite number"):
+        SamplingInfo.from_json(_json.loads('{"logprobs_mode": "raw_logprobs", "temperature": '
+                                           + big + ', "top_p": 1, "top_k": 0, "min_p": 0, '
+                                           '"processors": []}'))
+    for kw in ({"top_p": int(big)}, {"min_p": int(big)}):
+        with pytest.raises(RecordError, match="must be a finite number"):
+            SamplingInfo("raw_logprobs", **kw)
+    with pytest.raises(RecordError, match="not numbers"):
+        sampling_from_sglang({"top_k": float("inf")})
