@@ -312,7 +312,9 @@ class SidecarWriter:
             experts or format 2; an ``xl_ans_seed`` without ``codec="xl-ans"`` or not of
             the schema's shape (checked before ``dest`` is opened).
         StreamExistsError: ``dest`` exists (without ``replace``; also a ``FileExistsError``),
-            or is not a regular file (with ``replace``). Nothing at ``dest`` is touched.
+            or (with ``replace``) is not a regular file or is a live stream (its writer
+            holds its lock; checked again by :meth:`close` before the rename, which then
+            keeps the new stream in its ``.partial``). Nothing at ``dest`` is touched.
     """
 
     def __init__(self, dest: str | os.PathLike | BinaryIO | None, schema: RoutingSchema, *,
