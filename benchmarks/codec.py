@@ -2,6 +2,7 @@
 
     .venv/bin/python benchmarks/codec.py [--tokens 4096] [--records 2] [--layers 8]
                                          [--trace SIDECAR | --no-engine]
+    .venv/bin/python benchmarks/codec.py --records-by-length [--trained NPZ] | --long [--trained NPZ]
 
 MB/s are of uint8-equivalent input (T x L x top_k bytes), one thread, the best run of at
 least 5 and 0.3 s (this machine's timing noise is +-30 % on millisecond calls; the best
@@ -17,7 +18,7 @@ Traces:
   --trace (a sidecar, e.g. the demo's) or, by default, a fresh 32 x 128-token rollout.
 
 The last rows are whole sidecar streams of those records (header, frames, meta, index),
-with the default codec (ctx-zstd) and with ctx-ans.
+with each writer codec (xl-zstd, the default; ctx-zstd; raw-lm).
 
 Columns: uniform bound = log2(E!/(E-k)!) (order-preserving, no skew, no repetition);
 H0 = empirical order-0 entropy of each (layer, column), summed over columns; rate = exact
@@ -40,8 +41,9 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from routereplay import codec, wire  # noqa: E402
 from routereplay.record import RoutingRecord  # noqa: E402
 from routereplay.schema import RoutingSchema  # noqa: E402
-from routereplay.sidecar import SidecarReader, count_seed, write_records  # noqa: E402
-from routereplay.testing import CrossLayerRouting, routing_trace  # noqa: E402
+from routereplay.sidecar import SidecarReader, write_records  # noqa: E402
+from routereplay.testing import CrossLayerRouting, routing_trace
+from tests import crafted  # noqa: E402
 
 GROUP = 4
 
@@ -95,10 +97,8 @@ def methods(e):
         "SGLang b64 int32": (lambda x: wire.sglang_b64_int32(x),
                              lambda b, x: np.frombuffer(__import__("base64").b64decode(b), "<i4")),
         "vLLM b64 .npy": (lambda x: wire.vllm_b64_npy(x), lambda b, x: wire.decode_vllm_b64_npy(b)),
-        "zstd-lm (ours, fast)": (lambda x: codec.encode(x, "zstd-lm"),
-                                 lambda b, x: codec.decode(b, "zstd-lm", x.shape, x.dtype)),
+        "raw-lm (ours)": ours("raw-lm"),
         "ctx-zstd (ours)": ours("ctx-zstd"),
-        "ctx-ans (ours)": ours("ctx-ans"),
         "xl-zstd (ours)": ours("xl-zstd"),
     }
 
@@ -123,7 +123,7 @@ def run_trace(name, recs, e, k, rate=None):
         res[mname] = (8 * size / rows, n_in / te / 1e6, n_in / td / 1e6)
     # the whole routing-only stream: header, frames, compact meta, index, trailer
     schema = RoutingSchema(recs[0].shape[1], tuple(range(recs[0].shape[1])), k, e)
-    for name in ("ctx-zstd", "ctx-ans", "xl-zstd"):
+    for name in codec.WRITER_CODECS:
         stream = write_records(None, schema, [RoutingRecord(f"s{i}", x) for i, x in enumerate(recs)],
                                background=False, codec=name).getvalue()
         res[f"stream ({name})"] = (8 * len(stream) / rows, float("nan"), float("nan"))
@@ -178,8 +178,9 @@ def main():
                     help="only the whole-file table by record length (issue 18)")
     ap.add_argument("--file-grid", action="store_true",
                     help="only the whole-file guarantee over the grid's traces, format 3")
-    ap.add_argument("--xl-ans", action="store_true",
-                    help="only the xl-ans table: whole streams of 64 records by length (issue 18)")
+    ap.add_argument("--long", action="store_true",
+                    help="only 20,000-token records: the default token block against one "
+                         "section per layer group (issue 29)")
     ap.add_argument("--trained", help="npz from benchmarks/trained_routing.py (trained routing)")
     a = ap.parse_args()
     if a.grid:
@@ -188,9 +189,8 @@ def main():
         return print_records_by_length(a.trained)
     if a.file_grid:
         return print_file_grid()
-    if a.xl_ans:
-        print_xl_ans_speed()
-        return print_xl_ans(a.trained)
+    if a.long:
+        return print_long_records(a.trained)
     rng = np.random.default_rng(0)
     summary = []
     print("bits per token-layer (lower is better); MB/s of uint8-equivalent input, one thread")
@@ -294,11 +294,11 @@ def print_summary(summary):
     """The issue's targets, one row per trace: size against zstd-19 (smaller with
     repetition, at most 1 % larger without) and ctx-zstd's encode/decode speed (50 / 200)."""
     print("\n| trace | rate | zstd-19 | ctx-zstd | vs zstd-19 | enc MB/s | dec MB/s "
-          "| ctx-ans | vs zstd-19 | enc MB/s | dec MB/s |")
+          "| xl-zstd | vs zstd-19 | enc MB/s | dec MB/s |")
     print("|---" * 11 + "|")
     for name, rate, res in summary:
         z19 = res["zstd-19"][0]
-        cz, ca = res["ctx-zstd (ours)"], res["ctx-ans (ours)"]
+        cz, ca = res["ctx-zstd (ours)"], res["xl-zstd (ours)"]
         print(f"| {name} | {'-' if rate is None else f'{rate:.3f}'} | {z19:.3f} "
               f"| {cz[0]:.3f} | {cz[0] / z19:.1%} | {cz[1]:.0f} | {cz[2]:.0f} "
               f"| {ca[0]:.3f} | {ca[0] / z19:.1%} | {ca[1]:.0f} | {ca[2]:.0f} |")
@@ -347,10 +347,9 @@ def _file_bits(recs, e, k, codec_name, version=3, group=GROUP):
     nl = recs[0].shape[1]
     schema = RoutingSchema(nl, tuple(range(nl)), k, e)
     rr = [RoutingRecord(f"s{i}", x) for i, x in enumerate(recs)]
-    kw = {} if version >= 3 else {"layer_group": group}
-    w = write_records(None, schema, rr, background=False, codec=codec_name,
-                      format_version=version, **kw)
-    stream = w.getvalue()
+    # NOTE: format 2 is read only since 0.3.0: written by tests/crafted.py's 0.2 encoder
+    stream = write_records(None, schema, rr, background=False, codec=codec_name).getvalue() \
+        if version >= 3 else crafted.v2_stream(schema, rr, codec=codec_name, layer_group=group)
     data = sum(coded_bytes(x, codec_name, e, version, group) for x in recs)
     index = SidecarReader(stream)._index_offset
     fixed = header_bytes(stream) + (len(stream) - index) - (_index_entries(rr, stream, version))
@@ -368,7 +367,7 @@ def header_bytes(stream: bytes) -> int:
 def _index_entries(rr, stream, version):
     """Bytes of the index entries in ``stream``'s index payload (they are per record)."""
     import json
-    from routereplay.sidecar.layout import varint
+    from routereplay.varint import varint
     r = SidecarReader(stream)
     offs = [fi.offset for fi in r.scan()]
     if version >= 3:
@@ -489,54 +488,6 @@ def print_speed(lengths=(1024, 4096), layers=32):
                   + f" | {modes} |", flush=True)
 
 
-def print_xl_ans_speed(tokens=1024):
-    """xl-ans's coders side by side on one record of the cross-layer source, in the
-    writer's geometry for records coded with a model (one section up to 64 KiB of ids, else
-    512 tokens x 8 MoE layers), with a model learned from 4 earlier records: encode and
-    decode MB/s of uint8-equivalent ids, one thread, best run; constriction
-    (ROUTEREPLAY_XL_ANS_JIT=0) and the numba kernels, which write the same bytes; both
-    layouts of the model: ``xl-ans`` (a flag and K ids a row) and, where it applies (top-1,
-    or top-2 of at most 8 experts), ``xl-ans-rows`` (one symbol a row), with its bytes
-    against ``xl-ans``'s."""
-    from routereplay.codec import xl_ans, xl_ans_rows
-    print(f"\nxl-ans coders on one {tokens}-token record (MB/s of uint8-equivalent ids, one "
-          "thread, best run; issue 3's targets: 50 / 200)")
-    print("| source | sections | layout | constriction enc | constriction dec | numba enc "
-          "| numba dec | same bytes | bytes / xl-ans |")
-    print("|---|---|---|---|---|---|---|---|---|")
-    for e, k, nl in ((8, 2, 32), (8, 1, 32), (16, 4, 16), (64, 6, 16), (64, 1, 16)):
-        src = CrossLayerRouting.make(np.random.default_rng(7), nl, e, k)
-        rng = np.random.default_rng(1)
-        m = xl_ans.XlModel.empty(nl, e, k)
-        for _ in range(4):
-            m.count(src.sample(rng, tokens)[0])
-        model = xl_ans.XlModel.from_bytes(m.stored().to_bytes(), nl, e, k)
-        x = src.sample(rng, tokens)[0]
-        b, g = (tokens, nl) if x.nbytes <= 65536 else (512, 8)
-        parts = [(np.ascontiguousarray(x[r0:r0 + b, l0:l0 + g]), l0)
-                 for l0 in range(0, nl, g) for r0 in range(0, tokens, b)]
-        layouts = [("xl-ans", xl_ans)]
-        if xl_ans_rows.applies(nl, e, k):
-            layouts.append(("xl-ans-rows", xl_ans_rows))
-        size = None
-        for name, mod in layouts:
-            cells, outs = [], []
-            for flag in ("0", "1"):
-                os.environ[xl_ans.JIT_ENV] = flag
-                mod.encode(parts[0][0], model, parts[0][1])             # numba: compile
-                te, blobs = _best(lambda: [mod.encode(p, model, l0) for p, l0 in parts])
-                td, got = _best(lambda: [mod.decode(bl, p.shape, np.uint8, model, l0)
-                                         for bl, (p, l0) in zip(blobs, parts)])
-                assert all(np.array_equal(a, p) for a, (p, _) in zip(got, parts))
-                cells += [f"{x.size / te / 1e6:.1f}", f"{x.size / td / 1e6:.1f}"]
-                outs.append(blobs)
-            os.environ.pop(xl_ans.JIT_ENV)
-            n = sum(len(bl) for bl in outs[1])
-            size = size or n
-            print(f"| cross-layer E={e} k={k} L={nl} | {len(parts)} ({b}x{g}) | {name} | "
-                  + " | ".join(cells) + f" | {outs[0] == outs[1]} | {n / size:.4f} |", flush=True)
-
-
 def print_file_grid(lengths=(64, 256, 1024, 4096), layers=8, codecs=("xl-zstd", "ctx-zstd")):
     """Issue 18's guarantee over the grid of print_grid (352 traces of E 3-384, top-k 1-8,
     uniform/Zipf, repeat 0/0.5/0.9) with format 3: the per-record cost in a whole file
@@ -566,92 +517,41 @@ def print_file_grid(lengths=(64, 256, 1024, 4096), layers=8, codecs=("xl-zstd", 
     return res
 
 
-def _stream_codecs(stream: bytes) -> tuple[int, int, int, int]:
-    """(model frames, their bytes, xl-ans or xl-ans-rows routing sections, routing sections)
-    of a stream."""
-    from routereplay.sidecar.layout import KIND_MODEL, parse_frame_header
-    r = SidecarReader(stream)
-    models = mbytes = 0
-    off, end = r._data_start, r._index_offset
-    while off < end:
-        fh = parse_frame_header(stream[off:off + 24], off, len(stream))
-        if fh.kind == KIND_MODEL:
-            models, mbytes = models + 1, mbytes + 24 + fh.payload_len
-        off = fh.end
-    xa = n = 0
-    codecs = r.header["codecs"]
-    for sid in r.sample_ids():
-        o, h = r._frame_meta(sid)
-        g = h.grid
-        body = o + 24 + h.body_at
-        ends = r._table_ends(g, r._payload(h, g.head_len, h.body_at), h.payload_len - h.body_at)
-        for i in range(g.n_routing):
-            n += 1
-            xa += codecs[stream[body + int(ends[i]) + 4]] in ("xl-ans", "xl-ans-rows")
-    return models, mbytes, xa, n
-
-
-def print_xl_ans(trained: str | None = None, records: int = 64,
-                 lengths=(64, 256, 1024, 4096), rows_cap: int = 1 << 22):
-    """Issue 18's codec: whole streams of ``records`` records (fewer where that would pass
-    ``rows_cap`` token-layer rows) per source and record length, coded with ``xl-zstd``
-    (the default) and ``xl-ans`` (its model frames included), against the exact entropy
-    rate and zstd-19 per record token-major; the xl-ans stream's model frames and the share
-    of its routing sections coded xl-ans; encode (the writer, one thread) and decode (read
-    every record) MB/s of uint8-equivalent ids."""
-    print(f"\nxl-ans: whole streams of up to {records} records (model frames included), bits per "
-          "token-layer; MB/s of uint8-equivalent ids, one thread")
-    print("| source | T | records | rate | z19 tm | file xl-zstd | file xl-ans | xl-ans / rate "
-          "| xl-ans / z19 tm | model frames (bytes) | sections xl-ans | enc MB/s | dec MB/s "
-          "| file xl-ans counted first | its / rate |")
-    print("|---" * 15 + "|")
-    out = []
-    for label, e, k, sample, lens in record_sources(trained):
-        if e > 64:
-            continue
-        for t in lens:
-            if t not in lengths:
-                continue
-            rng = np.random.default_rng(t)
-            recs, rates = [], []
-            while len(recs) < records and sum(x.size // k for x in recs) < rows_cap:
-                x, r = sample(rng, t)
-                recs.append(x)
-                rates.append(r)
-            nl = recs[0].shape[1]
-            rows = sum(x.shape[0] * nl for x in recs)
-            schema = RoutingSchema(nl, tuple(range(nl)), k, e)
-            rr = [RoutingRecord(f"s{i}", x) for i, x in enumerate(recs)]
-            size = {}
-            for name in ("xl-zstd", "xl-ans"):
-                t0 = time.perf_counter()
-                stream = write_records(None, schema, rr, codec=name, background=False).getvalue()
-                te = time.perf_counter() - t0
-                size[name] = len(stream)
-            # NOTE: convert's default: the records counted in a first pass (count_seed), that
-            # model written before the first record
-            first = write_records(None, schema, rr, codec="xl-ans", background=False,
-                                  xl_ans_seed=count_seed(rr, schema)[0]).getvalue()
-            t0 = time.perf_counter()
-            rd = SidecarReader(stream)
-            for i, x in enumerate(recs):
-                assert np.array_equal(rd.read(f"s{i}").expert_ids, x)
-            td = time.perf_counter() - t0
-            models, mbytes, xa, n = _stream_codecs(stream)
-            rate = None if rates[0] is None else float(
-                sum(r * x.shape[0] for r, x in zip(rates, recs)) / sum(x.shape[0] for x in recs))
-            b = {c: 8 * v / rows for c, v in size.items()}
-            z = 8 * sum(_z19(x.tobytes()) for x in recs) / rows
-            raw = sum(x.nbytes for x in recs)
-            print(f"| {label} | {t} | {len(recs)} | {'-' if rate is None else f'{rate:.3f}'} "
-                  f"| {z:.3f} | {b['xl-zstd']:.3f} | {b['xl-ans']:.3f} "
-                  f"| {'-' if rate is None else format(b['xl-ans'] / rate, '.1%')} "
-                  f"| {b['xl-ans'] / z:.1%} | {models} ({mbytes}) | {xa}/{n} | {raw / te / 1e6:.1f} "
-                  f"| {raw / td / 1e6:.1f} | {8 * len(first) / rows:.3f} "
-                  f"| {'-' if rate is None else format(8 * len(first) / rows / rate, '.1%')} |",
-                  flush=True)
-            out.append((label, t, rate, z, b["xl-zstd"], b["xl-ans"]))
-    return out
+def print_long_records(trained: str | None = None, tokens: int = 20000, nrec: int = 2):
+    """Long single records (issue 29): bits per token-layer of whole streams (xl-zstd) in
+    format 3's default grid (512-token blocks x 1 MoE layer) against one section per layer
+    (token_block = T) and one section for the whole record, with zstd-19 token-major and
+    the exact entropy rate (synthetic) for scale; encode MB/s of the writer."""
+    print(f"\n{tokens}-token records, xl-zstd, whole streams: default grid (B=512, G=1) vs "
+          "one section per layer (B=T) vs one section per record")
+    print("| source | rate | z19 tm | B=512 | / rate | B=T | / rate | one section | B=512 / B=T "
+          "| enc MB/s B=512 | enc MB/s B=T |")
+    print("|---" * 11 + "|")
+    for label, e, k, sample, _ in record_sources(trained):
+        rng = np.random.default_rng(tokens)
+        try:
+            got = [sample(rng, tokens) for _ in range(nrec)]
+        except KeyError:
+            continue                                  # a trained trace without such records
+        recs = [x for x, _ in got]
+        rate = None if got[0][1] is None else float(np.mean([r for _, r in got]))
+        nl = recs[0].shape[1]
+        schema = RoutingSchema(nl, tuple(range(nl)), k, e)
+        rr = [RoutingRecord(f"s{i}", x) for i, x in enumerate(recs)]
+        rows = sum(x.shape[0] * x.shape[1] for x in recs)
+        out = {}
+        for key, kw in (("grid", {}), ("layer", dict(token_block=tokens)),
+                        ("one", dict(one_section_bytes=1 << 40))):
+            te, data = _best(lambda kw=kw: write_records(None, schema, rr, background=False,
+                                                         **kw).getvalue(), n=1, min_seconds=0)
+            out[key] = (8 * len(data) / rows, sum(x.nbytes for x in recs) / te / 1e6)
+        z = 8 * sum(_z19(x.tobytes()) for x in recs) / rows
+        r = (lambda v: "-" if rate is None else f"{v / rate:.1%}")
+        print(f"| {label} | {'-' if rate is None else f'{rate:.3f}'} | {z:.3f} "
+              f"| {out['grid'][0]:.3f} | {r(out['grid'][0])} | {out['layer'][0]:.3f} "
+              f"| {r(out['layer'][0])} | {out['one'][0]:.3f} "
+              f"| {out['grid'][0] / out['layer'][0]:.3f} | {out['grid'][1]:.1f} "
+              f"| {out['layer'][1]:.1f} |", flush=True)
 
 
 if __name__ == "__main__":

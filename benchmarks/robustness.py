@@ -2,7 +2,7 @@
 
     .venv/bin/python benchmarks/robustness.py [--quick] [--cases NAME,...] [--tiny]
 
-For each crafted input (routereplay.testing.crafted, plus two `convert` inputs), a fresh
+For each crafted input (tests/crafted.py, plus two `convert` inputs), a fresh
 process reads it the way a trainer or `routereplay inspect` would (open, scan, every
 record, every sample id read; our errors caught) and reports:
 
@@ -10,14 +10,12 @@ record, every sample id read; our errors caught) and reports:
 - peak memory: the growth of the process's peak RSS over its RSS before the read, and the
   tracemalloc peak (Python and numpy allocations) of a second, traced run;
 - the targets: peak memory <= 64 MiB + 4 x (the largest valid record the schema and the
-  file size allow: routereplay.sidecar.payload.largest_record_bytes), CPU <= 1 s per MiB
+  file size allow: routereplay.sidecar.limits.largest_record_bytes), CPU <= 1 s per MiB
   of input. For inputs of a few KiB the CPU target is below a millisecond: the fixed cost
   of a read (opening, parsing a header, a numpy call) is then what is measured.
 
 The `inspect` rows run the command line itself (`python -m routereplay inspect`), so they
-include the interpreter's start-up (about 0.3-1 s of CPU and 40-60 MiB here). The other
-rows load xl-ans's numba kernels before the measured read (a fixed 0.2 s and 100 MiB per
-process, whatever the input; `ROUTEREPLAY_XL_ANS_JIT=0` measures the constriction path).
+include the interpreter's start-up (about 0.3-1 s of CPU and 40-60 MiB here).
 Timings are noisy: the 2 cores are shared with other work.
 """
 from __future__ import annotations
@@ -40,8 +38,8 @@ sys.path.insert(0, ROOT)
 
 from routereplay.errors import RouteReplayError  # noqa: E402
 from routereplay.schema import RoutingSchema  # noqa: E402
-from routereplay.sidecar.payload import largest_record_bytes  # noqa: E402
-from routereplay.testing import crafted  # noqa: E402
+from routereplay.sidecar.limits import largest_record_bytes  # noqa: E402
+from tests import crafted  # noqa: E402
 
 MiB = 1 << 20
 # NOTE: a mid-size MoE shape (Qwen3-30B-A3B: 48 MoE layers, 128 experts, top-8)
@@ -93,19 +91,9 @@ SCHEMA_SMALL = RoutingSchema(num_hidden_layers=4, moe_layer_ids=(1, 2, 3), top_k
                              num_experts=16)
 
 
-def _load_xl_ans_kernels() -> None:
-    """Load xl-ans's numba kernels (import, and each kernel's code from numba's disk cache:
-    xl_ans.warm_up): a fixed cost per process (about 0.2 s of CPU and 100 MiB of RSS),
-    whatever the input, kept out of the measured read like the interpreter's start-up. The
-    constriction path (ROUTEREPLAY_XL_ANS_JIT=0) has nothing to load."""
-    from routereplay.codec import xl_ans
-    xl_ans.warm_up()
-
-
 def child(kind: str, path: str) -> None:
     """Measure one read in this (fresh) process; print JSON."""
     fn = read_all if kind == "read" else convert_all
-    _load_xl_ans_kernels()
     _reset_peak_rss()
     before = _status("VmRSS")
     t = time.process_time()
@@ -134,21 +122,19 @@ def npz_bomb(path: str, nbytes: int) -> None:
 
 
 # Issue 27 item 9: tiny sections, written by the writer (a one-token x one-layer grid; one-row
-# records; version-2 one-row records in one-layer groups) for each writer codec, and the same
-# grid assembled directly (what the writer wrote before the section floors), E=65536 too
+# records; version-2 one-row records in one-layer groups, by routereplay.testing's 0.2
+# encoder) for each writer codec, and the same grid assembled directly (what the writer wrote
+# before the section floors), E=65536 too
 SCHEMA_WIDE = RoutingSchema(num_hidden_layers=4, moe_layer_ids=(0, 1, 2, 3), top_k=8,
                             num_experts=65536)
-SCHEMA_XL = RoutingSchema(num_hidden_layers=48, moe_layer_ids=tuple(range(48)), top_k=8,
-                          num_experts=64)                   # xl-ans: E <= 64
 TINY_GRID = dict(token_block=1, layer_group=1, one_section_bytes=0, min_section_bytes=0)
-TINY_CODECS = ("xl-zstd", "ctx-zstd", "raw-lm", "zstd-lm", "ctx-ans", "xl-ans")
+TINY_CODECS = ("xl-zstd", "ctx-zstd", "raw-lm")
 TINY_CASES = ([f"tiny grid, writer: {c}" for c in TINY_CODECS]
-              + ["tiny grid, writer: ctx-ans E=65536"]
+              + ["tiny grid, writer: xl-zstd E=65536"]
               + [f"one-row records, writer: {c}" for c in TINY_CODECS]
-              + [f"v2 one-row records, layer group 1: {c}" for c in ("ctx-zstd", "ctx-ans")]
-              + [f"tiny grid, assembled: {c}" for c in ("xl-zstd", "ctx-zstd", "raw-lm",
-                                                        "zstd-lm", "ctx-ans")]
-              + ["tiny grid, assembled: ctx-ans E=65536"])
+              + ["v2 one-row records, layer group 1: ctx-zstd"]
+              + [f"tiny grid, assembled: {c}" for c in TINY_CODECS]
+              + ["tiny grid, assembled: xl-zstd E=65536"])
 
 
 def _tiny_records(schema: RoutingSchema, n: int, rows: int):
@@ -165,9 +151,10 @@ def tiny(name: str, quick: bool) -> bytes:
     from routereplay import codec as _codec
     from routereplay.sidecar import SidecarWriter
     from routereplay.sidecar import payload as _payload
+    from routereplay.sidecar import record_meta as _meta
     wide = name.endswith("E=65536")
     codec = name.split(": ")[1].split()[0]
-    schema = SCHEMA_WIDE if wide else SCHEMA_XL if codec == "xl-ans" else SCHEMA
+    schema = SCHEMA_WIDE if wide else SCHEMA
     target = (1 if quick else 4) * MiB // 16
     if name.startswith("tiny grid, assembled"):
         cid = crafted.CODECS_V3.index(codec)
@@ -177,13 +164,19 @@ def tiny(name: str, quick: bool) -> bytes:
             secs = [(cid, _codec.encode(np.ascontiguousarray(ids[b:b + 1, g:g + 1]), codec,
                                         schema.num_experts))
                     for g in range(nl) for b in range(t)]
-            out.append(_payload.assemble(_payload.encode_meta(rec.sample_id, t, 1, 1), secs))
+            out.append(_payload.assemble(_meta.encode_meta(rec.sample_id, t, 1, 1), secs))
             size += len(out[-1])
             if size >= target:
                 return crafted.stream(schema, out)
-    v2 = name.startswith("v2")
-    kw = dict(format_version=2, layer_group=1) if v2 else TINY_GRID if "grid" in name else {}
     rows = 1 if "one-row" in name else 8
+    if name.startswith("v2"):
+        recs, size = [], 0
+        for rec in _tiny_records(schema, 10 ** 6, rows):
+            recs.append(rec)
+            size += 24 + len(crafted.v2_payload(rec, schema, codec, layer_group=1))
+            if size >= target:
+                return crafted.v2_stream(schema, recs, codec=codec, layer_group=1)
+    kw = TINY_GRID if "grid" in name else {}
     w = SidecarWriter(None, schema, codec=codec, background=False, **kw)
     for rec in _tiny_records(schema, 10 ** 6, rows):
         w.write(rec)
@@ -199,8 +192,7 @@ def build(name: str, tmp: str, quick: bool) -> tuple[str, str, str]:
     if name in TINY_CASES:
         with open(path, "wb") as f:
             f.write(tiny(name, quick))
-        return "read", path, "wide" if name.endswith("E=65536") else \
-            "xl" if name.endswith("xl-ans") else "big"
+        return "read", path, "wide" if name.endswith("E=65536") else "big"
     if name == "convert: .npz member bomb":
         npz_bomb(path + ".npz", (64 if quick else 256) * MiB)     # 2^24 rows at most
         return "convert", path + ".npz", "small"
@@ -265,7 +257,7 @@ def main() -> None:
         for name in names:
             kind, path, sch = build(name, tmp, a.quick)
             size = os.path.getsize(path)
-            schema = {"big": SCHEMA, "wide": SCHEMA_WIDE, "xl": SCHEMA_XL}.get(sch, SCHEMA_SMALL)
+            schema = {"big": SCHEMA, "wide": SCHEMA_WIDE}.get(sch, SCHEMA_SMALL)
             bound = 64 * MiB + 4 * largest_record_bytes(schema, size)
             res = run_child(kind, path)
             rows.append((name, size, res, bound))

@@ -17,7 +17,8 @@ What it does, end to end, with the product's own code:
    engine's DP replicas would (each record to the replica that served it, records in
    finishing order): in format version 3 for each ``--v3`` section geometry (token block
    B x layer group G; the writer's default codec), and in format version 2
-   (``format_version=2``, groups of ``--layer-group`` MoE layers) for comparison.
+   (read only since 0.3.0: written by the 0.2 encoder in tests/crafted.py, groups of
+   ``--layer-group`` MoE layers) for comparison.
 3. Plans the trainer step as megatron-based RL frameworks do (verl, slime): samples are
    balanced over the DP ranks by token count (longest first, to the least loaded rank),
    then packed per DP rank into THD microbatches of at most ``--mb-tokens`` tokens
@@ -71,12 +72,18 @@ import tracemalloc
 import zlib
 from typing import Any, Callable, Iterator, Sequence
 
+import sys
+
 import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from routereplay import align, codec as _codec, wire  # noqa: E402
 from routereplay.record import RoutingRecord  # noqa: E402
 from routereplay.schema import RoutingSchema, schema_layers_for  # noqa: E402
 from routereplay.sidecar import SidecarReader, SidecarWriter  # noqa: E402
+from routereplay.sidecar.layout import KIND_INDEX, KIND_RECORD, encode_frame, encode_trailer  # noqa: E402
+from tests.crafted import v2_header, v2_payload  # noqa: E402
 
 DEEPSEEK_V3 = {"model_type": "deepseek_v3", "num_hidden_layers": 61, "first_k_dense_replace": 3,
                "moe_layer_freq": 1, "n_routed_experts": 256, "num_experts_per_tok": 8,
@@ -309,6 +316,29 @@ class Written:
     write_seconds: float
 
 
+class V2Writer:
+    """A format-2 stream written record by record, as routereplay 0.2's writer did (format 2
+    is read only since 0.3.0; its encoder is test support, tests/crafted.py): the baseline
+    the format-3 geometries are compared with."""
+
+    def __init__(self, path: str, schema: RoutingSchema, layer_group: int):
+        self.f, self.schema, self.group = open(path, "wb"), schema, layer_group
+        self.f.write(v2_header(schema, layer_group=layer_group))
+        self.index: list[list] = []
+
+    def write(self, rec: RoutingRecord) -> None:
+        self.index.append([rec.sample_id, self.f.tell()])
+        self.f.write(encode_frame(KIND_RECORD, v2_payload(rec, self.schema,
+                                                          layer_group=self.group)))
+
+    def close(self) -> None:
+        pos = self.f.tell()
+        self.f.write(encode_frame(KIND_INDEX, json.dumps({"records": self.index},
+                                                         separators=(",", ":")).encode()))
+        self.f.write(encode_trailer(pos))
+        self.f.close()
+
+
 def write_step(spec: StepSpec, schema: RoutingSchema, workdir: str,
                geometries: Sequence[Geometry]) -> Written:
     """Generate and write the step (streaming: one record in memory at a time, plus the
@@ -319,9 +349,7 @@ def write_step(spec: StepSpec, schema: RoutingSchema, workdir: str,
     order = np.argsort(lengths + rng.random(len(lengths)) * lengths.mean(), kind="stable")
     replica = rng.integers(0, spec.streams, len(lengths))
     v2_paths = [os.path.join(workdir, f"engine{s}.v2.rrsc") for s in range(spec.streams)]
-    v2w = [SidecarWriter(p, schema, layer_group=spec.layer_group, max_queue=2, fsync="never",
-                         extra_header={"engine": "synthetic", "replica": s}, format_version=2)
-           for s, p in enumerate(v2_paths)]
+    v2w = [V2Writer(p, schema, spec.layer_group) for p in v2_paths]
     v3_paths = {g: [os.path.join(workdir, f"engine{s}.v3.{i}.rrsc") for s in range(spec.streams)]
                 for i, g in enumerate(geometries)}
     v3w = {g: [SidecarWriter(p, schema, max_queue=2, fsync="never",
@@ -640,13 +668,12 @@ def simulate_rank(kind: str, paths: Sequence[str], written: Written, plan: Plan,
 def encode_rates(schema: RoutingSchema, geos: Sequence[Geometry], spec: StepSpec,
                  tokens: int = 8192) -> dict[str, float]:
     """Encode speed, MB/s of uint8 ids, of one ``tokens``-token record on one core (best of
-    3): the writer's format-2 payload and its format-3 payload for each geometry."""
+    3): the 0.2 writer's format-2 payload (tests/crafted.py) and the format-3 payload for each geometry."""
     from routereplay.sidecar.payload import encode_record_payload
     rng = np.random.default_rng([spec.seed, 4])
     ids = RoutingGenerator(schema, spec.skew, spec.repeat, spec.seed).ids(rng, tokens)
     rec = RoutingRecord("speed", ids)
-    fns = {V2: lambda: encode_record_payload(rec, schema, layer_group=spec.layer_group,
-                                             version=2)}
+    fns = {V2: lambda: v2_payload(rec, schema, layer_group=spec.layer_group)}
     fns.update({v3_name(g): (lambda g=g: encode_record_payload(rec, schema, **g.writer_kw()))
                 for g in geos})
     out = {}

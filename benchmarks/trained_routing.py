@@ -1,6 +1,6 @@
 """Routing of a briefly trained tiny MoE model (CPU, a few minutes), for the codec benchmark.
 
-    .venv/bin/python benchmarks/trained_routing.py --out /tmp/trained.npz [--minutes 3]
+    .venv/bin/python benchmarks/trained_routing.py --out trained.npz [--minutes 3]
         [--experts 16 --top-k 4 --moe-layers 3]      # default: the built-in tiny model's shape
 
 Routers of a trained model specialise (a token's experts depend on the token and on its

@@ -1,7 +1,6 @@
 """routereplay: carry MoE routing from the rollout engine to the trainer and replay it.
 
-Core package: engine- and trainer-independent (numpy, zstandard, constriction; torch
-optional). docs/ARCHITECTURE.md maps the parts and the data flow.
+Core package: engine- and trainer-independent (numpy, zstandard; torch optional). docs/ARCHITECTURE.md maps the parts and the data flow.
 
 Shape legend (used by every docstring in routereplay, engine_patches and trainer_hooks):
 
@@ -26,12 +25,11 @@ from routereplay.errors import (AlignmentError, ConfigError, RecordError, RouteR
                                 WeightSyncError)
 from routereplay.record import RoutingRecord, WeightVersionSpan
 from routereplay.schema import RoutingSchema
-from routereplay.sidecar import (MultiSidecarReader, SidecarReader, SidecarWriter, count_seed,
-                                 open_sidecar)
+from routereplay.sidecar import MultiSidecarReader, SidecarReader, SidecarWriter, open_sidecar
 from routereplay.source import InMemorySource, NoRouting, RoutingSource
 
-__version__ = "0.2.0"
-__all__ = ["RoutingSchema", "RoutingRecord", "WeightVersionSpan", "SidecarWriter", "count_seed",
+__version__ = "0.3.0"
+__all__ = ["RoutingSchema", "RoutingRecord", "WeightVersionSpan", "SidecarWriter",
            "SidecarReader", "MultiSidecarReader", "open_sidecar", "RoutingSource", "InMemorySource", "NoRouting",
            "RouteReplayError", "ConfigError", "SchemaError", "RecordError", "SidecarError",
            "UnknownSampleError", "AlignmentError", "WeightSyncError"]

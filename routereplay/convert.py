@@ -12,13 +12,9 @@ Input kinds (``routereplay convert --from KIND``):
   (base64 of ``np.save`` bytes), either bare or inside a JSON object (a completion
   response with ``choices[*].routed_experts``, or ``{"id": ..., "routed_experts": ...}``).
 - ``sglang-b64``: text, one sample per line: SGLang's ``meta_info.routed_experts``
-  (base64 of flat little-endian int32, ``[T, num_hidden_layers, top_k + F]`` with F the
-  fused shared-expert columns the payload carries, ``num_fused_shared_experts``, 0 by
-  default and for SGLang 0.5.23), bare or inside a JSON object read by
-  :func:`routereplay.wire.sglang_fields` (a ``/generate`` or OpenAI response, or
-  ``{"id": ..., "routed_experts": ...}``). Rows start at the line's
-  ``routed_experts_start_len`` when stored next to ``meta_info``, else at 0, and a line
-  with token counts must fit them (:func:`sglang_start`: an ambiguous count is refused).
+  (base64 of little-endian int32 ``[T, num_hidden_layers, top_k + num_fused_shared_experts]``),
+  bare or inside a JSON object read by :func:`routereplay.wire.sglang_fields`; row 0 at
+  :func:`sglang_start`.
 
 Bare lines get the sample id ``<file stem>-<line number>`` (1-based). Nothing is
 unpickled: ``.npy``/``.npz`` are loaded with ``allow_pickle=False``.
@@ -44,14 +40,11 @@ from routereplay.sidecar.layout import MAX_JSON_BYTES
 
 KINDS = ("npy", "vllm", "vllm-b64", "sglang-b64")
 MAX_LINE_BYTES = 1 << 30          # one JSON/base64 line (bytes)
-# NOTE: an .npz member may inflate to at most this many times its compressed bytes (the
-# sidecar reader's limit, routereplay.sidecar.payload.record_fits): engines' int32 routing
-# deflates 4-30x; a member of 1 GiB of zeros claims about 1000x.
+# NOTE: an .npz member may inflate to at most this many times its compressed bytes (as
+# the sidecar reader): engines' int32 routing deflates 4-30x; 1 GiB of zeros about 1000x.
 NPZ_EXPANSION = 128
 # NOTE: the most MoE layer ids a sidecar header can list: its JSON is at most
-# MAX_JSON_BYTES (1 MiB, docs/FORMAT.md "Reader limits") and each id takes at least two
-# bytes of it (a digit and a comma). Layer lists are checked against it before they are
-# expanded.
+# MAX_JSON_BYTES (1 MiB) and each id takes at least two bytes (a digit and a comma).
 MAX_LAYER_IDS = MAX_JSON_BYTES // 2
 
 
@@ -65,10 +58,9 @@ def schema_from_args(config: str | None = None, num_experts: int | None = None,
     ``max(moe_layers) + 1``.
 
     Raises:
-        SchemaError: neither a config nor num_experts/top_k, an inconsistent layout, a
-            ``num_layers`` standing for more MoE layers than :data:`MAX_LAYER_IDS` (checked
-            before they are listed), or a schema whose JSON is above the sidecar header's
-            limit (``MAX_JSON_BYTES``, 1 MiB: no stream could be written with it).
+        SchemaError: neither a config nor num_experts/top_k, an inconsistent layout, more
+            MoE layers than :data:`MAX_LAYER_IDS`, or a schema whose JSON is above the
+            sidecar header's ``MAX_JSON_BYTES`` (1 MiB).
     """
     if config is not None:
         return _fits_header(RoutingSchema.from_hf_config(config))
@@ -89,10 +81,8 @@ def schema_from_args(config: str | None = None, num_experts: int | None = None,
 
 
 def _fits_header(schema: RoutingSchema) -> RoutingSchema:
-    """``schema``, refused if its JSON alone is above the header's ``MAX_JSON_BYTES``.
-
-    NOTE: checked here so that the error names the MoE layers; the writer would refuse
-    the header later, blaming the extra fields it carries."""
+    """``schema``, refused if its JSON alone is above the header's ``MAX_JSON_BYTES``
+    (NOTE: here the error names the MoE layers; the writer's would blame the header)."""
     size = len(json.dumps(schema.to_dict(), separators=(",", ":")))
     if size > MAX_JSON_BYTES:
         raise SchemaError(f"{schema.num_moe_layers} MoE layers take {size} bytes of sidecar "
@@ -103,9 +93,8 @@ def _fits_header(schema: RoutingSchema) -> RoutingSchema:
 def parse_layers(spec: str) -> list[int]:
     """'1,2,5-7' -> [1, 2, 5, 6, 7] (decoder layer indices).
 
-    The count of ids is checked before any range is expanded: more than
-    :data:`MAX_LAYER_IDS` is refused at once (``0-1000000000`` once filled 2 GB before
-    failing), so the work is in proportion to what a sidecar can hold.
+    The count of ids is checked before any range is expanded (more than
+    :data:`MAX_LAYER_IDS` is refused at once).
 
     Raises:
         ConfigError: not a comma-separated list of non-negative integers and ranges a-b,
@@ -146,11 +135,8 @@ def to_record(sample_id: str, arr: np.ndarray, schema: RoutingSchema, *,
     ``start``: token position of row 0.
 
     Raises:
-        RecordError: wrong shape or dtype (a dtype that cannot hold num_experts - 1
-            included), an id outside [0, num_experts) or repeated in its row, naming
-            sample, token and layer; non-zero routing on a layer the schema calls dense
-            (see routereplay.record.checked_moe_ids); a run of rows never written
-            (routereplay.record.check_written_rows).
+        RecordError: as routereplay.record.checked_moe_ids (shape, dtype, id range,
+            repeats, routing on a dense layer) and check_written_rows.
     """
     if full_layout is None:
         full_layout = _full_layout(arr.shape if isinstance(arr, np.ndarray) else (), schema)
@@ -193,18 +179,15 @@ def read_npy_record(f: BinaryIO, size: int, what: str, sample_id: str, schema: R
     in row chunks: the header is checked against the schema before any data is read, and
     every chunk is checked (range, repeated ids) as it arrives.
 
-    NOTE: work and memory follow what the data really holds: an all-zero member of an
-    ``.npz`` that expands to 1 GiB is refused at its first chunk (its first row repeats
-    expert 0) instead of being inflated whole; a header claiming more bytes than follow
-    is refused before reading; a valid array costs its record plus one chunk.
+    NOTE: work and memory follow what the data really holds: an all-zero 1 GiB member is
+    refused at its first chunk, a header claiming more bytes than follow before reading.
 
     Args:
         full_layout: as in :func:`to_record` (None: decided from the header's shape).
     Raises:
         RecordError: not .npy, not integers, a dtype too narrow for num_experts, a shape
             that is not [T, num_hidden_layers or L_moe, top_k] or T above the sidecar's
-            limit, fewer bytes than the header claims, a bad id (named), or a run of rows
-            never written (routereplay.record.check_written_rows).
+            limit, fewer bytes than the header claims, and as :func:`to_record`.
     """
     from routereplay.record import moe_rows, row_chunks
     from routereplay.sidecar.layout import MAX_TOKENS
@@ -295,9 +278,7 @@ def iter_npy_records(path: str, schema: RoutingSchema, *, full_layout: bool | No
                     sid = info.filename[:-4]
                     if info.compress_type != zipfile.ZIP_STORED and \
                             info.file_size > NPZ_EXPANSION * info.compress_size:
-                        # NOTE: the work and memory of a conversion stay in proportion to
-                        # the input's size (as the sidecar reader's expansion limit does):
-                        # a member inflating beyond that is refused before it is read
+                        # NOTE: work and memory stay in proportion to the input's size
                         raise RecordError(
                             f"{path}:{info.filename}: member declares {info.file_size} bytes "
                             f"from {info.compress_size} compressed bytes, beyond the limit of "
@@ -411,14 +392,11 @@ def _decode_b64(b64: str | bytes, kind: str, schema: RoutingSchema, sid: str,
 def sglang_start(sid: str, rows: int, fields: wire.SGLangFields | None) -> int:
     """Token position of row 0 of an ``sglang-b64`` payload of ``rows`` rows.
 
-    The line's ``routed_experts_start_len`` (stored next to ``meta_info``) when it has one,
-    else 0. Where the line also gives the token counts (a ``/generate`` or OpenAI response),
-    the rows must cover [start, prompt + output - 1); without a stored start only the
-    complete count (prompt + output - 1 rows, start 0) is accepted. NOTE: any other count
-    fits a later start as well as a payload truncated by as many rows; convert refuses to
-    guess (engine_patches.sglang.records applies the same rule). A line without token
-    counts (bare base64, or ``{"id", "routed_experts"}``) is placed at its stored start or
-    0 and cannot be checked.
+    The line's ``routed_experts_start_len`` (stored next to ``meta_info``), else 0. With
+    token counts in the line the rows must cover [start, prompt + output - 1); without a
+    stored start only the complete count is accepted (NOTE: any other count fits a later
+    start as well as a truncated payload; engine_patches.sglang.records has the same
+    rule). A line without token counts cannot be checked.
 
     Raises:
         RecordError: naming the sample: a start that is not a non-negative integer, a row

@@ -10,11 +10,9 @@ records the rows it computed, under a leg key of the request (the key convention
                        (:func:`decode_start`): rows from there to the end of the sequence
 
 (with vLLM's attempt and abort tails after the leg: ``<uid>#decode@1``,
-``<uid>#decode!aborted``, :func:`engine_patches.vllm.records.sample_key`). The legs go into
-the step's streams like any record (each engine writes its own); the trainer reads both
-and merges them with :func:`merge_pd_legs` into one record keyed ``<uid>``, the request,
-before replay (an :class:`routereplay.source.InMemorySource` of the merged records, or a
-stream written from them).
+``<uid>#decode!aborted``, :func:`engine_patches.vllm.records.sample_key`). Each engine
+writes its leg to its own streams; the trainer merges them with :func:`merge_pd_legs` into
+one record keyed ``<uid>`` before replay.
 
 Which rows a decode engine computes (row i = token position start + i, see
 :mod:`routereplay.record`): it receives the prompt's KV cache, never the prompt's rows, so
@@ -24,12 +22,9 @@ recomputes the prompt's last token and samples the first output token itself: it
 computed row is ``prompt_len - 1``. SGLang 0.5 (``disaggregation/decode.py``: the prebuilt
 batch "skips the prefill forward") takes the first output token from the prefill engine and
 first runs the model on it: ``prompt_len``. Rows before the decode leg's first computed
-row are never taken from it, never compared and never listed as ``recomputed``.
-
-A decode leg alone is not a request's routing (its prompt rows were never computed):
-:func:`merge_pd_legs` is the only way from legs to a request, ``merge_segments`` refuses
-legs, and :func:`check_request_key` refuses a leg key where a request's record is looked
-up.
+row are never taken from it, never compared and never listed as ``recomputed``. So a
+decode leg alone is not a request's routing: ``merge_segments`` and
+:func:`check_request_key` refuse leg keys.
 """
 from __future__ import annotations
 
@@ -38,8 +33,8 @@ import re
 import numpy as np
 
 from routereplay.errors import RecordError
-from routereplay.multi_turn import assemble, common_prefix_len
 from routereplay.record import RoutingRecord
+from routereplay.splice import assemble, common_prefix_len
 
 PREFILL, DECODE = "prefill", "decode"
 LEGS = (PREFILL, DECODE)
@@ -90,8 +85,7 @@ def check_request_key(key: str) -> None:
 def decode_start(prompt_len: int, engine: str) -> int:
     """The token position a decode leg's routing must be asked from (vLLM
     ``routed_experts_prompt_start``, SGLang ``routed_experts_start_len``): the first row the
-    decode engine computes (module docstring): ``prompt_len - 1`` on vLLM, ``prompt_len``
-    on SGLang.
+    decode engine computes (module doc).
 
     Args:
         prompt_len: the request's prompt tokens (>= 1); engine: ``"vllm"``, ``"sglang"``, or
@@ -122,7 +116,7 @@ def merge_pd_legs(prefill: RoutingRecord, decode: RoutingRecord, sample_id: str 
         first_row: the first token position the decode engine computed; default
             :func:`decode_start` of ``decode.engine``.
         compare: ``"slots"`` or ``"set"``, for rows both legs computed
-            (:func:`routereplay.multi_turn.rows_differ`).
+            (:func:`routereplay.splice.rows_differ`).
     Returns:
         a record from ``prefill.start``: the prefill leg's rows before
         ``max(decode.start, first_row)``, the decode leg's from there (the decode leg wins
@@ -134,11 +128,9 @@ def merge_pd_legs(prefill: RoutingRecord, decode: RoutingRecord, sample_id: str 
         and recomputed spans clipped to the rows each leg contributed.
     Raises:
         RecordError: naming the request and positions: keys that are not the two legs of one
-            request (swapped legs, two uids, no ``sample_id`` to name the result); a
-            prompt_len missing or different between the legs; prompts that differ (when
-            both legs carry token ids); rows left without routing (a decode leg asked from
-            past the prompt's end, or a prefill leg that stops before it); layer/top_k/dtype
-            that differ; an unknown engine without ``first_row``.
+            request; a prompt_len missing or different between the legs; prompts that
+            differ; rows left without routing; layer/top_k/dtype that differ; an unknown
+            engine without ``first_row``.
     """
     (pu, pl), (du, dl) = split_leg_key(prefill.sample_id), split_leg_key(decode.sample_id)
     if pl == DECODE or dl == PREFILL:

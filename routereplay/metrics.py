@@ -14,7 +14,6 @@ Definitions, used exactly so that figures compare across runs and with the R3 pa
 from __future__ import annotations
 
 import math
-from typing import Iterable
 
 import numpy as np
 
@@ -85,8 +84,3 @@ def routing_agreement(engine_ids: np.ndarray, trainer_ids: np.ndarray,
         "per_layer": per_layer,
     }
 
-
-def concat(parts: Iterable[np.ndarray]) -> np.ndarray:
-    """Concatenate per-sample arrays along axis 0 (empty-safe)."""
-    parts = list(parts)
-    return np.concatenate(parts, 0) if parts else np.zeros((0,))

@@ -7,55 +7,33 @@ start; with the new prompt's token ids it also stops at the first token where th
 prompt leaves the previous turn's sequence.
 
 Token identity. Row p of a turn is the routing of token position p given tokens 0..p of
-THAT turn's sequence (causal attention). It stands for the conversation's row p only if
-the turn's tokens 0..p are the conversation's. A later turn's prompt need not extend the
-earlier turn's sequence: a chat template may re-render earlier turns (Qwen3's drops the
-``<think>`` part of earlier assistant turns), or the conversation may branch from an
-earlier prefix. The conversation's tokens are those of the turn that reaches furthest;
-each turn's rows are used up to the position where its tokens leave them (their longest
-common prefix), never past it. Without token ids this cannot be checked, so a merge of
-several turns needs every turn's ``token_ids``, or the caller's statement
-``assume_extends=True`` that each turn's prompt extends the earlier turns' sequences.
+THAT turn's sequence (causal attention), so it stands for the conversation's row p only if
+those tokens are the conversation's. A later turn's prompt need not extend the earlier
+sequence: a chat template may re-render earlier turns (Qwen3's drops the ``<think>`` part
+of earlier assistant turns), or the conversation may branch. The conversation's tokens are
+those of the turn that reaches furthest; each turn's rows are used up to where its tokens
+leave them (their longest common prefix). Without token ids this cannot be checked, so a
+merge of several turns needs every turn's ``token_ids``, or ``assume_extends=True``.
 
-Which row wins where segments overlap: the EARLIER turn (the segment that starts first;
-among segments with the same start, the one that ends first: a later turn's sequence
-extends the earlier one's, so it is never shorter). Its rows are the routing the
-engine used when it sampled those tokens and computed their log-probs; a later turn
-re-prefills them (from the prefix cache, or recomputed after a cache flush or a weight
-update). Overlapping rows that differ are kept from the earlier segment and their
-positions are listed in the merged record's ``recomputed`` spans, so a trainer can see
-that the engine no longer agreed with itself there. ``compare="slots"`` (the default)
-compares rows slot by slot, so a row with the same experts in another top-k order counts
-as differing; ``compare="set"`` lists only rows whose expert sets differ in some layer.
+Where segments overlap the EARLIER turn wins (the one that starts first; at the same start,
+the one that ends first): its rows are the routing the engine used when it sampled those
+tokens, while a later turn re-prefills them. Overlapping rows that differ are listed in the
+merged record's ``recomputed`` spans. ``compare="slots"`` (default) compares rows slot by
+slot (another top-k order counts as differing); ``compare="set"`` compares expert sets.
 
 Legs of a prefill/decode-disaggregated request (``<uid>#prefill``, ``<uid>#decode``) are
 not turns: merge them with :func:`routereplay.disaggregation.merge_pd_legs` first.
 """
 from __future__ import annotations
 
-from typing import NamedTuple, Sequence
+from typing import Sequence
 
 import numpy as np
 
+from routereplay.disaggregation import split_leg_key
 from routereplay.errors import RecordError
-from routereplay.record import RoutingRecord, WeightVersionSpan
-
-COMPARE = ("slots", "set")
-
-
-def _spans(mask: np.ndarray, offset: int) -> list[tuple[int, int]]:
-    """[(start, end)] token-position runs where ``mask`` is True (row i = position offset+i)."""
-    m = np.concatenate([[False], mask, [False]])
-    d = np.flatnonzero(np.diff(m.astype(np.int8)))
-    return [(offset + int(a), offset + int(b)) for a, b in zip(d[::2], d[1::2])]
-
-
-def common_prefix_len(a: Sequence[int] | np.ndarray, b: Sequence[int] | np.ndarray) -> int:
-    """Number of leading tokens two token-id sequences share (O(min(len a, len b)))."""
-    x, y = np.asarray(a), np.asarray(b)
-    n = min(len(x), len(y))
-    ne = np.flatnonzero(x[:n] != y[:n])
-    return int(ne[0]) if ne.size else n
+from routereplay.record import RoutingRecord
+from routereplay.splice import COMPARE, assemble, common_prefix_len
 
 
 def next_start(previous: RoutingRecord,
@@ -67,13 +45,10 @@ def next_start(previous: RoutingRecord,
     Args:
         previous: the record of the previous turn (rows from ``previous.start``).
         new_prompt_ids: the next turn's prompt token ids. Given, the start is at most the
-            longest common prefix of ``previous.token_ids`` and the new prompt (a chat
-            template that re-renders earlier turns, or a branch from an earlier prefix,
-            leaves the previous sequence there; the previous rows from that position route
-            other tokens), and at most ``len(new_prompt_ids) - 1`` (the engine computes the
-            prompt's last token). Omitted: ``previous.start + previous.num_tokens``, which
-            assumes the new prompt extends the previous turn's whole sequence (the merge
-            refuses the turns when token ids show otherwise).
+            longest common prefix of ``previous.token_ids`` and the new prompt (module doc:
+            token identity), and at most ``len(new_prompt_ids) - 1`` (the engine computes
+            the prompt's last token). Omitted: ``previous.start + previous.num_tokens``
+            (the new prompt assumed to extend the previous sequence).
     Returns:
         absolute token position (>= 0).
     Raises:
@@ -93,140 +68,35 @@ def next_start(previous: RoutingRecord,
                       len(new_prompt_ids) - 1))
 
 
-def rows_differ(a: np.ndarray, b: np.ndarray, compare: str = "slots") -> np.ndarray:
-    """bool [n]: which rows of two id arrays [n, L, K] differ in some layer.
-
-    ``compare="slots"``: slot by slot (the same experts in another top-k order differ);
-    ``"set"``: as expert sets per layer (order ignored).
-
-    Raises:
-        RecordError: an unknown ``compare``.
-    """
-    if compare == "set":
-        a, b = np.sort(a, axis=-1), np.sort(b, axis=-1)
-    elif compare != "slots":
-        raise RecordError(f"compare must be one of {COMPARE}, got {compare!r}")
-    return (a != b).any(axis=(1, 2))
-
-
-class Spliced(NamedTuple):
-    """What :func:`assemble` returns (spans are token positions)."""
-
-    ids: np.ndarray                         # [end - start, L, K]
-    start: int
-    weight_versions: list[WeightVersionSpan]
-    recomputed: list[tuple[int, int]]
-    prefix_cached: list[tuple[int, int]]
-    used: list[int]                         # rows each piece contributed, in pieces' order
-
-
-def assemble(pieces: Sequence[tuple[RoutingRecord, int, int]], sample_id: str, *,
-             compare: str = "slots", gap_hint: str = "") -> Spliced:
-    """Splice rows of several records; the first piece holding a position wins.
-
-    Args:
-        pieces: ``(record, lo, hi)`` in precedence order: the record's rows at token positions
-            [lo, hi) are usable (clipped to the rows it has); its other rows are neither taken
-            nor compared (they route other tokens, or were never computed).
-        compare: how usable overlapping rows are compared (:func:`rows_differ`).
-        gap_hint: appended to the error for positions that no piece covers.
-    Returns:
-        :class:`Spliced`: spans clipped to the rows each piece contributed; recomputed also
-        lists every position where a later piece's usable row differs from the row kept.
-    Raises:
-        RecordError: pieces of different layer/top_k shape or dtype, or token positions that
-            no piece covers, naming the sample and the positions.
-    """
-    recs = [r for r, _, _ in pieces]
-    shape, dtype = recs[0].expert_ids.shape[1:], recs[0].expert_ids.dtype
-    if any(r.expert_ids.shape[1:] != shape or r.expert_ids.dtype != dtype for r in recs):
-        raise RecordError(f"sample {sample_id!r}: segments differ in layers, top_k or dtype")
-    rng = [(r, max(lo, r.start), min(hi, r.start + r.num_tokens)) for r, lo, hi in pieces]
-    used = [0] * len(rng)
-    if not any(lo < hi for _, lo, hi in rng):
-        raise RecordError(f"sample {sample_id!r}: no usable rows in any segment")
-    start = min(lo for _, lo, hi in rng if lo < hi)
-    end = max(hi for _, lo, hi in rng if lo < hi)
-    # NOTE: coverage from the intervals first, before allocating (end - start) rows: two
-    # turns at start 0 and 2^28 cost 1.8 GB before the gap was named (attacker review)
-    gaps, reach = [], start
-    for _, lo, hi in sorted((x for x in rng if x[1] < x[2]), key=lambda x: x[1]):
-        if lo > reach:
-            gaps.append((reach, lo))
-        reach = max(reach, hi)
-    if gaps:
-        shown = gaps[:8] + ([("...", len(gaps) - 8)] if len(gaps) > 8 else [])
-        raise RecordError(f"sample {sample_id!r}: token positions {shown} have no "
-                          f"routing{gap_hint}")
-    ids = np.zeros((end - start,) + shape, dtype=dtype)
-    have = np.zeros(end - start, dtype=bool)
-    differs = np.zeros(end - start, dtype=bool)
-    versions: list[WeightVersionSpan] = []
-    recomputed: list[tuple[int, int]] = []
-    cached: list[tuple[int, int]] = []
-    for i, (r, lo, hi) in enumerate(rng):
-        if lo >= hi:
-            continue
-        rows = slice(lo - start, hi - start)
-        src = r.expert_ids[lo - r.start:hi - r.start]
-        old = have[rows]
-        differs[rows] |= old & rows_differ(ids[rows], src, compare)
-        new = ~old
-        used[i] = int(new.sum())
-        ids[rows][new] = src[new]
-        for p0, p1 in _spans(new, lo):
-            versions += [WeightVersionSpan(s.version, max(s.start, p0), min(s.end, p1))
-                         for s in r.weight_versions if max(s.start, p0) < min(s.end, p1)]
-            for spans, dst in ((r.recomputed, recomputed), (r.prefix_cached, cached)):
-                dst += [(max(x, p0), min(y, p1)) for x, y in spans if max(x, p0) < min(y, p1)]
-        have[rows] = True
-    if not have.all():
-        raise RecordError(f"sample {sample_id!r}: token positions {_spans(~have, start)} have "
-                          f"no routing{gap_hint}")
-    versions.sort(key=lambda s: s.start)
-    return Spliced(ids, start, versions, sorted(set(recomputed + _spans(differs, start))),
-                   sorted(set(cached)), used)
-
-
 def merge_segments(segments: Sequence[RoutingRecord], sample_id: str, *,
                    assume_extends: bool = False, compare: str = "slots") -> RoutingRecord:
     """Rebuild one conversation's routing from its turns.
 
     Args:
         segments: records of the turns (any order); ids [T_i, L_moe, top_k] with rows from
-            token position ``start_i``; with ``token_ids`` (see the module docstring: token
-            identity).
+            token position ``start_i``; with ``token_ids`` (module doc: token identity).
         sample_id: id of the merged record.
         assume_extends: the caller states that every turn's prompt extends the earlier
-            turns' sequences token for token; needed to merge several turns when some lack
-            token ids (those turns' rows are then trusted; turns with token ids are still
-            checked).
+            turns' sequences; needed when some turns lack token ids (turns with token ids
+            are still checked).
         compare: ``"slots"`` (default) or ``"set"``: how overlapping rows are compared for
-            ``recomputed`` (:func:`rows_differ`).
+            ``recomputed`` (:func:`routereplay.splice.rows_differ`).
     Returns:
-        a record from position ``min(start_i)``: earlier turns win on overlaps, whatever
-        the order of ``segments`` (see the module docstring), and every overlapping row a
-        later turn computed differently is listed in ``recomputed`` (never dropped
-        silently); token_ids, prompt_len and engine of the turn that reaches furthest (its
-        sequence is the conversation); each turn's rows used only up to where its tokens
-        leave the conversation's (a re-rendered or branched prefix; those rows route other
-        tokens and stay in the turn's own record); log-probs dropped (they belong to
-        single turns); weight-version, prefix-cache and recomputed spans clipped to the
-        rows each segment contributed.
+        a record from position ``min(start_i)`` (module doc: earlier turns win, differing
+        overlaps listed in ``recomputed``); token_ids, prompt_len and engine of the turn
+        that reaches furthest; each turn's rows used only up to where its tokens leave the
+        conversation's; log-probs dropped (they belong to single turns); weight-version,
+        prefix-cache and recomputed spans clipped to the rows each segment contributed.
     Raises:
-        RecordError: naming the sample, and the turns and positions: no segments; a leg of a
-            P/D request (``#prefill``/``#decode`` key); several turns, one without token
-            ids, and no ``assume_extends``; two turns that reach equally far with different
-            tokens (two branches); segments of different layer/top_k shape; a turn
-            whose tokens leave the conversation's and that gives it no row (another branch,
-            or a turn rendered differently: not a turn of this conversation); token
-            positions without routing for the conversation's tokens (a gap between turns,
-            or a later turn asked from past the position where its prompt leaves the earlier
-            turn's sequence: the error names that position; ask with
-            ``next_start(previous, new_prompt_ids)``); or token ids whose count does not
-            match the rows.
+        RecordError: naming the sample, and the turns and positions: no segments; a P/D
+            leg key; several turns, one without token ids, and no ``assume_extends``; two
+            turns that reach equally far with different tokens; segments of different
+            layer/top_k shape; a turn whose tokens leave the conversation's and that gives
+            it no row; positions without routing (a gap between turns, or a turn asked from
+            past where its prompt leaves the earlier sequence: use
+            ``next_start(previous, new_prompt_ids)``); token ids whose count does not match
+            the rows.
     """
-    from routereplay.disaggregation import split_leg_key
     if not segments:
         raise RecordError(f"sample {sample_id!r}: no segments to merge")
     if compare not in COMPARE:

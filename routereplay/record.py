@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Callable, Sequence
 
 import numpy as np
 
@@ -229,11 +229,6 @@ class RoutingRecord:
             "sampling": None if self.sampling is None else self.sampling.to_json(),
         }
 
-    @staticmethod
-    def spans_from_meta(meta: Mapping[str, Any]) -> list[WeightVersionSpan]:
-        """Parse the ``weight_versions`` field written by :meth:`meta`."""
-        return [WeightVersionSpan(str(v), int(a), int(b)) for v, a, b in meta.get("weight_versions", [])]
-
     def versions(self) -> list[str]:
         """Distinct weight versions, in order of first appearance."""
         seen: list[str] = []
@@ -241,12 +236,6 @@ class RoutingRecord:
             if s.version not in seen:
                 seen.append(s.version)
         return seen
-
-
-def rows_for_positions(record: RoutingRecord, positions: Sequence[int]) -> np.ndarray:
-    """Boolean mask [len(positions)]: which token positions have a routing row."""
-    p = np.asarray(positions)
-    return (p >= record.start) & (p < record.start + record.num_tokens)
 
 
 def eplb_id_hint(value: int, dtype: np.dtype, num_experts: int) -> str:
@@ -262,8 +251,7 @@ def eplb_id_hint(value: int, dtype: np.dtype, num_experts: int) -> str:
 
 
 # NOTE: checks run over row chunks of about this many ids, so their temporaries (masks,
-# sorted copies) stay a few MiB however large the array, and the first bad id is found
-# without materialising every bad position (np.argwhere over a 1 GiB mask took 1 GB).
+# sorted copies) stay a few MiB however large the array.
 CHECK_CHUNK_IDS = 1 << 20
 
 
@@ -281,9 +269,8 @@ def first_bad_row(ids: np.ndarray, schema: RoutingSchema, sample_id: str, *, sta
                   layer_ids: Sequence[int] | None = None, check_range: bool = True,
                   check_duplicates: bool = True,
                   id_hint: Callable[[int], str] | None = None) -> None:
-    """Raise on the first id out of ``[0, num_experts)`` or repeated within its row (rows
-    are checked in chunks of about :data:`CHECK_CHUNK_IDS` ids, ranges before repeats in
-    each: an out-of-range id is reported before a repeat earlier in the same chunk).
+    """Raise on the first id out of ``[0, num_experts)`` or repeated within its row (per
+    chunk of :data:`CHECK_CHUNK_IDS` ids, ranges before repeats).
 
     Args:
         ids: integer [T, L, top_k] (any integer dtype; checked before any narrowing).
@@ -294,9 +281,8 @@ def first_bad_row(ids: np.ndarray, schema: RoutingSchema, sample_id: str, *, sta
         id_hint: value -> text appended to an out-of-range error (default
             :func:`eplb_id_hint`).
     Raises:
-        RecordError: naming the sample, token position and decoder layer (and a hint for
-            all-zero rows, the mark of an unbound capturer or a dense layer read as MoE,
-            and for ids >= num_experts, the mark of physical EPLB replica slots).
+        RecordError: naming the sample, token position and decoder layer (with a hint for
+            all-zero rows and for ids >= num_experts: EPLB replica slots?).
     Work: O(ids), temporaries bounded by :data:`CHECK_CHUNK_IDS` ids.
     """
     layer_ids = list(schema.moe_layer_ids if layer_ids is None else layer_ids)
@@ -336,30 +322,22 @@ def first_bad_row(ids: np.ndarray, schema: RoutingSchema, sample_id: str, *, sta
 
 # NOTE: rows that were never written read as expert 0 everywhere (a capturer never bound,
 # a P/D prefill worker that returns the prompt rows unwritten, a schema whose "MoE"
-# layers are the model's dense, zero-filled ones). With top-k > 1 such a row repeats
-# expert 0 and the duplicate check refuses it; with top-1 it is a valid-looking row. A run
-# of consecutive rows that is expert 0 in every MoE layer is refused once it covers
+# layers are the model's dense, zero-filled ones); with top-1 such a row looks valid. A
+# run of rows that is expert 0 in every MoE layer is refused once it covers
 # UNWRITTEN_MIN_CELLS (token, MoE layer) cells and UNWRITTEN_MIN_TOKENS tokens: even a
-# router that gave expert 0 probability 1/2 in every cell would produce such a run with
-# probability <= 2^-64 (a trained, balanced router gives it about 1/num_experts per cell),
-# so over 2^20 start positions in each of 2^20 records a genuine run is refused with
-# probability <= 2^-24. The token minimum: one token's cells come from one forward pass,
-# not independent draws (an attention-sink token such as BOS carries a near-constant
-# state through the layers, and sits at the same position in every sample), so a few rows
-# alone are never refused whatever the layer count. What the causes above produce is the
-# whole prompt or the whole record, far longer. Limit: a model with very few MoE layers
-# (one or two) running a long span of one repeated token could route it to expert 0 in
-# every layer; the rule assumes different tokens route independently.
+# router giving expert 0 probability 1/2 in every cell produces such a run with
+# probability <= 2^-64. The token minimum: one token's cells come from one forward pass,
+# not independent draws (an attention sink such as BOS), so a few rows alone are never
+# refused. Limit: a model with one or two MoE layers running a long span of one repeated
+# token could route it to expert 0 everywhere; the rule assumes tokens route independently.
 UNWRITTEN_MIN_CELLS = 64
 UNWRITTEN_MIN_TOKENS = 4
 
 
 def check_written_rows(ids: np.ndarray, sample_id: str, start: int = 0) -> None:
     """Refuse a run of rows that no router would produce: consecutive token rows that are
-    expert 0 in every MoE layer and every top-k column, at least
-    :data:`UNWRITTEN_MIN_TOKENS` rows and :data:`UNWRITTEN_MIN_CELLS` (token, layer) cells
-    long (the rule and its reasoning: the NOTE above). Genuine rows that use expert 0 (a
-    shorter run, or a run in which some layer is not 0) pass.
+    expert 0 in every MoE layer and top-k column, at least :data:`UNWRITTEN_MIN_TOKENS`
+    rows and :data:`UNWRITTEN_MIN_CELLS` (token, layer) cells long (the NOTE above).
 
     Args:
         ids: integer [T, L_moe, K] (dense layers already stripped), row i at token position
@@ -431,18 +409,15 @@ def checked_moe_ids(arr: np.ndarray, schema: RoutingSchema, sample_id: str, *, s
         check_duplicates: also refuse a row repeating an expert (otherwise left to
             :meth:`RoutingRecord.validate`).
         id_hint: value -> text appended to the out-of-range error (default
-            :func:`eplb_id_hint`: the EPLB replica-slot hint for ids >= num_experts, the
-            wrapped-sentinel hint for the largest unsigned value).
+            :func:`eplb_id_hint`).
     Returns:
         ids of ``schema.id_dtype`` [T, L_moe, top_k], a copy.
     Raises:
-        RecordError: wrong shape; a dtype that cannot hold num_experts - 1 (the ids were
-            wrapped before); in the full layout, non-zero routing on a layer the schema
-            calls dense (the engine routed it, so the schema's MoE placement does not match
-            the model: never dropped silently); an id outside [0, num_experts) or repeated
-            in its row; naming sample, token position and decoder layer. NOTE: the range is
-            checked before the cast to the id dtype, which would wrap 258 -> 2 and a -1
-            sentinel -> 255.
+        RecordError: naming sample, token position and decoder layer: wrong shape; a dtype
+            that cannot hold num_experts - 1; in the full layout, non-zero routing on a
+            layer the schema calls dense (never dropped silently); an id outside
+            [0, num_experts) or repeated in its row. NOTE: the range is checked before the
+            cast to the id dtype, which would wrap 258 -> 2 and a -1 sentinel -> 255.
     Work: O(ids); memory: the output plus chunk temporaries (:data:`CHECK_CHUNK_IDS`).
     """
     want = schema.num_hidden_layers if full_layout else schema.num_moe_layers

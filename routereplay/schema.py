@@ -4,15 +4,9 @@ The schema is what turns an engine's ``[T, num_hidden_layers, top_k]`` array int
 record ``[T, L_moe, top_k]`` with dense layers stripped (engines zero-fill dense layers,
 which cannot be told from expert 0), and what a trainer checks a sidecar against.
 
-Built from a Hugging Face config (``config.json`` or a ``transformers`` config object):
-the expert count (``n_routed_experts``, ``num_experts``, ``num_local_experts``,
-``moe_num_experts``), top_k (``num_experts_per_tok``, ``experts_per_token``, ``moe_topk``,
-``moe_k``), ``scoring_func``, and which layers are MoE from every form configs state it in
-(:func:`moe_placement`: Qwen ``mlp_only_layers``/``decoder_sparse_step``, DeepSeek
-``first_k_dense_replace``/``moe_layer_freq`` (int or per-layer list), per-layer type lists,
-hybrid pattern strings such as Nemotron-H's ``hybrid_override_pattern``, Llama 4, Jamba,
-ERNIE 4.5; nested ``text_config``). A config whose placement cannot be determined is
-refused, naming the key, rather than guessed.
+Built from a Hugging Face config (:meth:`RoutingSchema.from_hf_config`; which layers are
+MoE: :func:`moe_placement`). A config whose placement cannot be determined is refused,
+naming the key, rather than guessed.
 """
 from __future__ import annotations
 
@@ -134,10 +128,10 @@ class RoutingSchema:
         """Build from a Hugging Face config: a ``transformers`` config object, a dict, a path
         to ``config.json`` or to a model folder holding one.
 
-        Which decoder layers are MoE is read from every form configs use (see
-        :func:`moe_placement`); a text model nested in a multimodal config
-        (``text_config``, ``llm_config``, ``language_config``, ``thinker_config.text_config``)
-        is found.
+        Expert count: ``n_routed_experts``, ``num_experts``, ``num_local_experts`` or
+        ``moe_num_experts``; top_k: ``num_experts_per_tok``, ``experts_per_token``,
+        ``moe_topk`` or ``moe_k``; MoE layers: :func:`moe_placement`; a text model nested in
+        a multimodal config (``text_config``, ``llm_config``, ...) is found.
 
         Raises:
             SchemaError: the config describes no MoE layers, is not recognised, or states
@@ -151,8 +145,7 @@ class RoutingSchema:
         if isinstance(n_layers, bool) or not isinstance(n_layers, int) or n_layers < 1:
             raise SchemaError(f"config has no usable num_hidden_layers ({n_layers!r})")
         if n_layers > MAX_CONFIG_LAYERS:
-            # NOTE: before the placement is expanded into a list (1e8 layers once took 13 s
-            # and 3.8 GB, then a MemoryError)
+            # NOTE: before the placement is expanded into a list
             raise SchemaError(f"config states num_hidden_layers={n_layers}, above the "
                               f"{MAX_CONFIG_LAYERS} decoder layers routereplay accepts")
         model_type = str(d.get("model_type", ""))
@@ -439,7 +432,6 @@ def _text_config(d: dict) -> dict:
         if isinstance(sub, Mapping):
             return dict(sub)
     return d
-
 
 
 def schema_layers_for(schema: RoutingSchema, layer_ids: Sequence[int]) -> list[int]:

@@ -20,13 +20,11 @@ Every source is checked when it is built and again before the engine is paused, 
 one never pauses an engine for nothing; the error names the source. So is the label: an
 update labelled with the engine's current weight version is refused before the pause
 (:func:`check_new_version`) unless ``reload_same_version=True`` says it is a deliberate
-reload of that version. Both engines' syncs return one :class:`SyncReport`. The old names (SGLang ``FromDisk`` / ``FromTensor``, vLLM
-``FromWeightTransfer``) stay one release as deprecated aliases in their engine modules.
+reload of that version. Both engines' syncs return one :class:`SyncReport`.
 """
 from __future__ import annotations
 
 import dataclasses
-import warnings
 from typing import Any, Mapping, Sequence
 
 from routereplay.errors import ConfigError, WeightSyncError
@@ -158,22 +156,16 @@ def check_mode(mode: str, modes: Sequence[str] = PAUSE_MODES) -> None:
 
 def check_new_version(version: str, current: str | None, *, reload_same_version: bool = False,
                       after_update: bool = False) -> None:
-    """Refuse a weight update labelled with the engine's current weight version.
-
-    Under one label the engines keep what they keep per version: vLLM's cache salt (so in
-    keep mode, where the prefix-cache reset cannot succeed, new requests could hit blocks
-    computed with the old weights), both engines' records (one routing stream would hold
-    two policies under one label, and a trainer could not tell them apart). Runs before the
-    engine is paused, so a refused update changes nothing.
+    """Refuse a weight update labelled with the engine's current weight version, before
+    the engine is paused (NOTE: under one label vLLM's cache salt would let new requests
+    hit blocks of the old weights, and one routing stream would hold two policies).
 
     Args:
         version: the update's label.
-        current: the engine's weight version now (vLLM's and SGLang's engines start at
-            ``"default"``, which counts); None = unknown (nothing refused).
-        reload_same_version: the caller's opt-in for a deliberate reload under the same
-            label (each engine's docs say what it then does about the prefix cache).
-        after_update: the check of an after-update step (the caller's own update has
-            already written the weights): the message says what that leaves.
+        current: the engine's weight version now (engines start at ``"default"``, which
+            counts); None = unknown (nothing refused).
+        reload_same_version: opt-in for a deliberate reload under the same label.
+        after_update: the check of an after-update step (the message says what is left).
     Raises:
         WeightSyncError: ``version == current`` without ``reload_same_version``, naming the
             label.
@@ -227,8 +219,3 @@ class SyncReport:
         """A JSON-able dict."""
         return dataclasses.asdict(self)
 
-
-def deprecated(old: str, new: str) -> None:
-    """Warn once per call site that ``old`` is a deprecated alias of ``new``."""
-    warnings.warn(f"{old} is deprecated (kept one release): use {new}", DeprecationWarning,
-                  stacklevel=3)

@@ -37,11 +37,9 @@ MAX_VERSION_LABEL = 256
 def check_version_label(label: object, *, what: str = "weight_version") -> str:
     """Validate a weight-version label before it reaches a stream header or a record.
 
-    A label names a policy version (``"step-12"``, a checkpoint hash, a timestamp): 1 to
-    :data:`MAX_VERSION_LABEL` characters of printable ASCII (``" "`` to ``"~"``). A label
-    of megabytes would make every later stream header exceed the readers' limit
-    (docs/FORMAT.md "Reader limits"), and control characters would reach logs and file
-    listings.
+    A label: 1 to :data:`MAX_VERSION_LABEL` characters of printable ASCII (``" "`` to
+    ``"~"``). NOTE: a label of megabytes would push every later stream header past the
+    readers' limit, and control characters would reach logs and file listings.
 
     Args:
         label: the caller's label (a ``str``).

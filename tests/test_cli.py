@@ -178,6 +178,64 @@ def test_convert_refuses_bad_paths_and_forged_npy(tmp_path, schema):
     assert p.returncode == 1 and "Traceback" not in p.stderr and "missing.rrsc" in p.stderr
 
 
+
+def test_removed_codecs_format_2_and_seed_from_are_refused_by_name(tmp_path, schema, capsys):
+    """0.3.0 removed the xl-ans and ctx-ans codecs (and the other 0.2 ones), writing format 2
+    and --seed-from: a removed name is a usage error (exit 2) naming the release that
+    converts it, not argparse's "invalid choice", and is left out of the help."""
+    import numpy as np
+    import pytest
+
+    from routereplay.cli.main import build_parser, main
+    np.save(tmp_path / "a.npy", random_record(schema, "a", 20, 0).expert_ids)
+    sc = tmp_path / "s.rrsc"
+    write_records(str(sc), schema, [random_record(schema, "b", 20, 1)])
+    out = tmp_path / "o.rrsc"
+    npy = ["convert", "--from", "npy", str(tmp_path / "a.npy"), "--out", str(out),
+           "--num-experts", "16", "--top-k", "4", "--moe-layers", "1-3"]
+    for args, what in ((npy + ["--codec", "xl-ans"], "--codec xl-ans: codec 'xl-ans'"),
+                       (npy + ["--codec", "ctx-ans"], "--codec ctx-ans: codec 'ctx-ans'"),
+                       (["convert", "--from", "sidecar", str(sc), "--out", str(out), "--codec",
+                         "ctx-ans-sorted"], "--codec ctx-ans-sorted: codec 'ctx-ans-sorted'"),
+                       (npy + ["--format-version", "2"],
+                        "--format-version 2: writing format version 2")):
+        assert main(args) == 2, args
+        err = capsys.readouterr().err
+        assert (f"routereplay convert: error: {what} was removed in routereplay 0.3.0; "
+                "routereplay 0.2.x reads it and converts it") in err, err
+    assert not out.exists()
+    for bad, want in ((["--seed-from", str(sc)], "unrecognized arguments: --seed-from"),
+                      (["--codec", "bogus"], "invalid choice: 'bogus' (choose from 'xl-zstd', "
+                                             "'ctx-zstd', 'raw-lm')"),
+                      (["--format-version", "1"], "invalid choice: '1' (choose from 3)")):
+        with pytest.raises(SystemExit) as e:
+            build_parser().parse_args(npy + bad)
+        assert e.value.code == 2 and want in capsys.readouterr().err, bad
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["convert", "--help"])
+    helptext = capsys.readouterr().out
+    assert "--codec {xl-zstd,ctx-zstd,raw-lm}" in helptext and "--format-version {3}" in helptext
+    assert not any(x in helptext for x in ("xl-ans", "ctx-ans", "zstd-lm", "seed"))
+    assert main(npy + ["--format-version", "3", "--codec", "ctx-zstd"]) == 0  # scripts keep working
+    with SidecarReader(str(out)) as r:
+        assert r.version == 3 and r.codec == "ctx-zstd" and r.sample_ids() == ["a"]
+
+
+def test_inspect_counts_the_model_frames_of_a_removed_codec(capsys):
+    """A 0.2 stream written with xl-ans (tests/fixtures/legacy): inspect still reports its
+    model frames (JSON model_frames, model_frame_bytes) and says the codec was removed."""
+    from routereplay.cli.main import main
+    path = os.path.join(os.path.dirname(__file__), "fixtures", "legacy", "xl-ans.rrsc")
+    main(["inspect", path, "--json"])
+    info = json.loads(capsys.readouterr().out)
+    assert info["model_frames"] == 1 and info["model_frame_bytes"] > 0
+    assert info["format_version"] == 3 and info["codec"] == "xl-ans"
+    main(["inspect", path])
+    text = capsys.readouterr().out
+    assert "(1 xl-ans model frame, " in text
+    assert "note: 1 xl-ans model frame: the codec 'xl-ans' was removed in routereplay 0.3.0; " \
+           "routereplay 0.2.x reads it and converts it" in text, text
+
 # --- issue 16 kind 13 / issue 17 item 1: the command line's contract -------------------------
 
 def test_version_and_usage_vs_runtime_exit_codes(tmp_path, schema):

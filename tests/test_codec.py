@@ -15,6 +15,7 @@ from routereplay.schema import RoutingSchema
 from routereplay.sidecar import SidecarReader, write_records
 from routereplay.codec import xl_zstd
 from routereplay.testing import CrossLayerRouting, routing_trace
+from tests import crafted
 from tests import spec_reader
 
 
@@ -28,7 +29,7 @@ def test_synthetic_entropy_rate_is_exact_for_uniform_routing():
     assert 0.74 < same < 0.78 and rate < 0.5 * math.log2(math.perm(16, 4))
 
 
-def _roundtrip(ids, e, name="ctx-ans"):
+def _roundtrip(ids, e, name="ctx-zstd"):
     blob = codec.encode(ids, name, e)
     out = codec.decode(blob, name, ids.shape, ids.dtype, e)
     assert out.dtype == ids.dtype
@@ -36,93 +37,10 @@ def _roundtrip(ids, e, name="ctx-ans"):
     return blob
 
 
-@settings(max_examples=150, deadline=None)
-@given(data=st.data())
-def test_ctx_ans_roundtrip_any_routing(data):
-    e = data.draw(st.sampled_from([2, 3, 8, 16, 60, 256, 300]))
-    k = data.draw(st.integers(1, min(e, 9)))
-    t = data.draw(st.sampled_from([0, 1, 2, 15, 16, 17, 33, 70, 300]))
-    g = data.draw(st.integers(1, 3))
-    rep = data.draw(st.sampled_from([0.0, 0.5, 0.95, 1.0]))
-    rng = np.random.default_rng(data.draw(st.integers(0, 2**31)))
-    ids = np.argsort(rng.random((t, g, e)), axis=-1)[..., :k]
-    for i in range(1, t):
-        same = rng.random(g) < rep
-        ids[i, same] = ids[i - 1, same]
-    ids = ids.astype(np.uint8 if e <= 256 else np.uint16)
-    _roundtrip(ids, e)
-    _roundtrip(np.sort(ids, axis=-1), e, "ctx-ans-sorted")
-
-
-@pytest.mark.parametrize("e,k,rep", [(8, 2, 0.5), (64, 6, 0.5), (128, 8, 0.9), (256, 8, 0.5)])
-def test_ctx_ans_near_entropy_and_below_zstd19(e, k, rep):
-    ids, rate = routing_trace(np.random.default_rng(e), 2048, 2, e, k, rep)
-    bits = 8 * len(_roundtrip(ids, e)) / (ids.shape[0] * ids.shape[1])
-    lm = np.ascontiguousarray(ids.transpose(1, 0, 2)).tobytes()
-    z19 = 8 * len(zstandard.ZstdCompressor(level=19).compress(lm)) / (ids.shape[0] * ids.shape[1])
-    assert bits < 0.95 * z19, (bits, z19)
-    assert bits < 1.08 * rate, (bits, rate)    # learning cost on 2 x 2048 rows: 2-6 %
-
-
-def test_ctx_ans_uniform_routing_costs_the_uniform_bound():
-    e, k, t = 64, 6, 4096
-    rng = np.random.default_rng(0)
-    ids = np.argsort(rng.random((t, 2, e)), axis=-1)[..., :k].astype(np.uint8)
-    bits = 8 * len(_roundtrip(ids, e)) / (t * 2)
-    bound = math.log2(math.perm(e, k))
-    assert bound * 0.995 < bits < bound * 1.01, (bits, bound)
-
-
-def test_sorted_mode_saves_most_of_log2_k_factorial():
-    e, k, t = 64, 6, 4096
-    rng = np.random.default_rng(1)
-    ids = np.argsort(rng.random((t, 1, e)), axis=-1)[..., :k].astype(np.uint8)
-    engine_bits = 8 * len(_roundtrip(ids, e)) / t
-    sorted_bits = 8 * len(_roundtrip(np.sort(ids, -1), e, "ctx-ans-sorted")) / t
-    set_bound = math.log2(math.comb(e, k))
-    # NOTE: gaps are coded independently of each other, which costs ~5 % over the set bound
-    # on uniform routing (the gaps of one row share the budget E - K).
-    assert set_bound < sorted_bits < 1.06 * set_bound, (sorted_bits, set_bound)
-    assert engine_bits - sorted_bits > 0.8 * math.log2(math.factorial(k))
-
-
-def test_ctx_ans_rejects_what_it_cannot_represent():
-    ids = np.array([[[1, 1]]], dtype=np.uint8)
-    with pytest.raises(ValueError, match="repeats an expert"):
-        codec.encode(ids, "ctx-ans", 8)
-    with pytest.raises(ValueError, match="out of range"):
-        codec.encode(np.array([[[1, 9]]], dtype=np.uint8), "ctx-ans", 8)
-    with pytest.raises(ValueError, match="ascending"):
-        codec.encode(np.array([[[3, 1]]], dtype=np.uint8), "ctx-ans-sorted", 8)
-
-
-def test_ctx_ans_corrupt_sections_are_our_error():
-    rng = np.random.default_rng(2)
-    ids = np.argsort(rng.random((200, 2, 16)), axis=-1)[..., :4].astype(np.uint8)
-    blob = codec.encode(ids, "ctx-ans", 16)
-    shape = ids.shape
-    for bad, why in [(blob[:-4], "ANS section"), (blob + b"\x01\x00\x00\x00", "ANS section"),
-                     (blob[:-1], "whole"), (b"", "whole"), (blob[:-4] + b"\0\0\0\0", "zero word")]:
-        with pytest.raises(SidecarError, match=why):
-            codec.decode(bad, "ctx-ans", shape, np.uint8, 16)
-    # a forged row count fails at the first block past the data, without a big allocation
-    with pytest.raises(SidecarError, match="ANS section"):
-        codec.decode(blob, "ctx-ans", (10**9, 2, 4), np.uint8, 16)
-    flips = 0
-    for i in range(0, len(blob), 7):
-        b = bytearray(blob)
-        b[i] ^= 0x5A
-        try:
-            out = codec.decode(bytes(b), "ctx-ans", shape, np.uint8, 16)
-            assert out.shape == shape and out.max() < 16
-        except SidecarError:
-            flips += 1
-    assert flips > 0
-
-
 def test_independent_reader_decodes_what_we_write():
     """tests/spec_reader.py is written from docs/FORMAT.md alone (no numpy, no routereplay):
-    version 3 as one section and as a grid (token blocks x layer groups), and version 2."""
+    version 3 as one section and as a grid (token blocks x layer groups), and version 2
+    (read only: written by tests/crafted.py's 0.2 encoder)."""
     geometries = [{}, dict(token_block=16, layer_group=4, one_section_bytes=0),
                   dict(format_version=2, layer_group=4),
                   dict(token_block=7, layer_group=1, one_section_bytes=100)]
@@ -130,8 +48,8 @@ def test_independent_reader_decodes_what_we_write():
             (16, 4, "engine", None), (300, 3, "engine", None), (3, 2, "engine", None),
             (5, 3, "engine", None), (11, 3, "engine", None), (60, 5, "engine", None),
             (16, 4, "sorted", "ctx-zstd"),
-            (16, 4, "engine", "ctx-ans"), (300, 3, "engine", "ctx-ans"),
-            (16, 4, "sorted", None), (8, 8, "engine", "ctx-ans"), (16, 4, "engine", "xl-zstd")]):
+            (16, 4, "engine", "raw-lm"), (300, 3, "engine", "ctx-zstd"),
+            (16, 4, "sorted", None), (8, 8, "engine", "ctx-zstd"), (16, 4, "engine", "xl-zstd")]):
         schema = RoutingSchema(num_hidden_layers=7, moe_layer_ids=(1, 2, 3, 4, 5, 6), top_k=k,
                                num_experts=e)
         rng = np.random.default_rng(e + k)
@@ -146,13 +64,18 @@ def test_independent_reader_decodes_what_we_write():
                 weight_versions=[WeightVersionSpan("w1", 0, n)] if i else [],
                 recomputed=[(1, 3)] if i == 2 else [], prefix_cached=[(0, 2)] if i == 2 else [],
                 engine="vllm 0.32" if i == 1 else ""))
-        data = write_records(None, schema, recs, column_order=order, codec=name,
-                             **geometries[case % len(geometries)]).getvalue()
+        geo = geometries[case % len(geometries)]
+        v2 = geo.get("format_version") == 2
+        if v2:
+            data = crafted.v2_stream(schema, recs, codec=name or "ctx-zstd", column_order=order,
+                                     layer_group=geo["layer_group"])
+        else:
+            data = write_records(None, schema, recs, column_order=order, codec=name,
+                                 **geo).getvalue()
         header, got = spec_reader.read_stream(data)
         assert header["column_order"] == order
-        v2 = geometries[case % len(geometries)].get("format_version") == 2
         assert header["codec"] == name or (name is None and header["codec"] == (
-            ("ctx-zstd" if v2 else "xl-zstd") if order == "engine" else "ctx-ans-sorted"))
+            "ctx-zstd" if v2 else "xl-zstd"))
         assert [r["sample_id"] for r in got] == ["s0", "s1", "s2", "s3"]
         for rec, g in zip(recs, got):
             want = np.sort(rec.expert_ids, -1) if order == "sorted" else rec.expert_ids
@@ -168,25 +91,15 @@ def test_independent_reader_decodes_what_we_write():
                                       if order == "sorted" else recs[2].expert_ids)
 
 
-def test_independent_reader_reads_version_1():
-    """The spec reader also follows FORMAT.md's version-1 paragraph."""
-    import json
-    import struct
-
-    from routereplay import sidecar as sc
-    schema = RoutingSchema(4, (1, 2, 3), 4, 16)
-    ids, _ = routing_trace(np.random.default_rng(9), 30, 3, 16, 4, 0.3)
-    body = codec.encode(ids, "zstd-lm")
-    meta = {"sample_id": "old", "num_tokens": 30, "start": 0, "prompt_len": None,
-            "weight_versions": [], "recomputed": [], "prefix_cached": [], "engine": "",
-            "sections": [{"name": "routing", "offset": 0, "length": len(body),
-                          "shape": [30, 3, 4], "codec": "zstd-lm", "layers": [0, 3]}]}
-    js = json.dumps(meta).encode()
-    hjs = json.dumps({"schema": schema.to_dict(), "codec": "zstd-lm"}).encode()
-    data = (struct.pack("<8sHHI", sc.MAGIC, 1, 0, len(hjs)) + hjs + struct.pack("<I", sc._crc(hjs))
-            + sc.encode_frame(sc.KIND_RECORD, struct.pack("<I", len(js)) + js + body))
-    _, recs = spec_reader.read_stream(data)
-    assert recs[0]["routing"] == ids.tolist()
+def test_independent_reader_refuses_version_1():
+    """FORMAT.md no longer specifies version 1 (removed in 0.3.0): the spec reader refuses
+    the 0.2 fixture by its version, as our reader does (tests/test_legacy_streams.py)."""
+    import os
+    with open(os.path.join(os.path.dirname(__file__), "fixtures", "legacy", "format1.rrsc"),
+              "rb") as f:
+        data = f.read()
+    with pytest.raises(AssertionError, match="version"):
+        spec_reader.read_stream(data)
 
 
 # ---- ctx-zstd (routereplay.codec.ctx_zstd) ----------------------------------------------
@@ -504,13 +417,13 @@ def test_grid_sections_trial_pass_keeps_every_section_of_xl_zstd_encode():
                              for lo in range(0, nl, g) for r in range(0, t, b)], (t, nl, e, k, b, g)
 
 
-@pytest.mark.parametrize("name", ["ctx-zstd", "xl-zstd", "ctx-ans"])
+@pytest.mark.parametrize("name", ["ctx-zstd", "xl-zstd", "raw-lm"])
 def test_encode_grid_equals_sections_encoded_one_by_one(name):
     """The version-3 writer codes a record's grid in one pass (codec.encode_grid); each
     section must be exactly what encode() gives for its slice (equal input, equal bytes)."""
     cases = [(256, 8, 1500, 6, 512, 1), (300, 3, 700, 5, 100, 2), (8, 2, 777, 7, 64, 3),
              (5, 3, 100, 4, 7, 4), (16, 4, 0, 3, 8, 1), (16, 4, 1, 3, 8, 2)]
-    for e, k, t, nl, b, g in cases[:3] if name == "ctx-ans" else cases:
+    for e, k, t, nl, b, g in cases:
         ids, _ = routing_trace(np.random.default_rng(e), t, nl, e, k, 0.5, 1.0)
         ids = ids.astype(np.uint8 if e <= 256 else np.uint16)
         got = codec.encode_grid(ids, name, e, b, g)

@@ -11,12 +11,12 @@ import pytest
 from routereplay.errors import RouteReplayError
 from routereplay.schema import RoutingSchema
 from routereplay.sidecar import SidecarReader
-from routereplay.sidecar.payload import largest_record_bytes
-from routereplay.testing import crafted
+from routereplay.sidecar.limits import largest_record_bytes
+from tests import crafted
 
 MiB = 1 << 20
 SCHEMAS = [RoutingSchema(4, (1, 2, 3), 4, 16), RoutingSchema(2, (0, 1), 2, 512)]
-CODECS = ["xl-zstd", "ctx-zstd", "ctx-ans", "zstd-lm", "raw-lm"]
+CODECS, REMOVED = ["xl-zstd", "ctx-zstd", "raw-lm"], ["ctx-ans", "zstd-lm", "xl-ans"]
 
 
 def _mutate(rng, meta, parts, schema):
@@ -38,7 +38,7 @@ def _mutate(rng, meta, parts, schema):
         elif what == 4:
             parts[i] = rng.integers(0, 256, int(rng.integers(0, 64))).astype(np.uint8).tobytes()
         elif what == 5:
-            sec[1] = str(rng.choice(CODECS + ["zstd", "raw", "bogus"]))
+            sec[1] = str(rng.choice(CODECS + REMOVED + ["zstd", "raw", "bogus"]))
         elif what == 6:
             parts[i] = parts[i][:int(rng.integers(0, len(parts[i]) + 1))]
         else:

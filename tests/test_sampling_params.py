@@ -1,7 +1,6 @@
 """Issue 28 item 8: records carry the sampling parameters behind their log-probs, through
 both formats and the spec reader, from vLLM's SamplingParams; `verify` compares like with
 like (the engine's transform applied to the trainer's logits) or refuses with the reason."""
-import io
 import math
 import struct
 
@@ -13,8 +12,10 @@ from routereplay.errors import AlignmentError, RecordError, SidecarError
 from routereplay.record import RoutingRecord, SamplingInfo, sampling_from_sglang
 from routereplay.schema import RoutingSchema
 from routereplay.sidecar import write_records
-from routereplay.sidecar.payload import (decode_head, decode_record_payload, encode_meta,
-                                         encode_record_payload, head_length)
+from routereplay.sidecar.legacy import decode_payload_v2
+from routereplay.sidecar.payload import encode_record_payload
+from routereplay.sidecar.record_meta import decode_head, encode_meta, head_length
+from tests import crafted
 from tests import spec_reader
 
 SCHEMA = RoutingSchema(4, (1, 2, 3), 2, 8)
@@ -55,10 +56,9 @@ def test_record_validate_refuses_a_dict_for_sampling():
 
 # --------------------------------------------------------------------------- formats
 
-def _stream(records, version):
-    buf = io.BytesIO()
-    write_records(buf, SCHEMA, records, format_version=version)
-    return buf.getvalue()
+def _stream(records, version):       # format 2 (read only): tests/crafted.py
+    return write_records(None, SCHEMA, records).getvalue() if version == 3 else \
+        crafted.v2_stream(SCHEMA, records)
 
 
 def _payloads(data):
@@ -83,7 +83,7 @@ def test_sampling_round_trips_both_formats_and_the_spec_reader(version):
         if version == 3:
             metas.append(decode_head(pl[:head_length(pl, len(pl))], SCHEMA, len(pl)))
         else:
-            metas.append(decode_record_payload(pl, SCHEMA, 2)[0])
+            metas.append(decode_payload_v2(pl, SCHEMA)[0])
     assert [m.sampling for m in metas] == [SMP, None, recs[2].sampling]
     _, spec = spec_reader.read_stream(data)
     assert spec[0]["sampling"] == {"logprobs_mode": "processed_logprobs", "temperature": 0.7,
@@ -110,7 +110,7 @@ def _v3_payload_with_meta(meta_tail: bytes, flags: int) -> bytes:
     good = encode_record_payload(_record("x", sampling=None), SCHEMA)
     h = head_length(good, len(good))
     m_old = good[:h]
-    from routereplay.sidecar.layout import varint
+    from routereplay.varint import varint
     # the record's own meta: flags, sid, T, fields; rebuilt with the forged flags + tail
     own = encode_meta("x", 9, start=0, prompt_len=4, arrays={"token_ids": 10, "logprobs": 6})
     assert m_old.endswith(own)
@@ -133,13 +133,13 @@ def test_v3_bad_sampling_meta_refused_naming_the_sample(tail, flags, match):
 
 def test_v2_bad_sampling_meta_refused():
     import json
-    pl = encode_record_payload(_record("x"), SCHEMA, version=2)
+    pl = crafted.v2_payload(_record("x"), SCHEMA)
     mlen = struct.unpack("<I", pl[:4])[0]
     meta = json.loads(pl[4:4 + mlen])
     for bad in ({**meta["sampling"], "seed": 3}, {**meta["sampling"], "top_k": 2.5}, [1]):
         js = json.dumps({**meta, "sampling": bad}).encode()
         with pytest.raises(SidecarError, match="sample 'x'.*sampling"):
-            decode_record_payload(struct.pack("<I", len(js)) + js + pl[4 + mlen:], SCHEMA, 2)
+            decode_payload_v2(struct.pack("<I", len(js)) + js + pl[4 + mlen:], SCHEMA)
 
 
 # --------------------------------------------------------------------------- engines
@@ -365,8 +365,8 @@ def test_the_sidecar_reader_returns_each_records_sampling(tmp_path):
     from routereplay.sidecar import SidecarReader
     for v in (3, 2):
         p = tmp_path / f"s{v}.rrsc"
-        write_records(str(p), SCHEMA, [_record("a"), _record("b", None, seed=1)],
-                      format_version=v)
+        recs = [_record("a"), _record("b", None, seed=1)]
+        p.write_bytes(_stream(recs, v))
         with SidecarReader(str(p)) as r:
             assert r.read("a").sampling == SMP and r.read("b").sampling is None
     gen = request_sampling({"sampling_params": {"temperature": 0.5, "top_p": 0.8}})

@@ -335,10 +335,3 @@ def test_weight_sync_composes_with_a_framework_update_path(sglang_server):
     _FakeSGLang.fail = {"/flush_cache": (500, {"error": "busy"})}
     with pytest.raises(WeightSyncError, match="v2.*failed at /flush_cache.*HTTP 500"):
         ws.after_weight_update("v2")
-    # the old names stay one release, with a warning
-    from engine_patches.sglang.weight_sync import FromDisk, FromTensor
-    with pytest.warns(DeprecationWarning, match="FromDisk"):
-        old = FromDisk("/ckpt")
-    assert isinstance(old, FromCheckpoint) and old.model_path == old.path == "/ckpt"
-    with pytest.warns(DeprecationWarning, match="FromTensor"):
-        assert FromTensor(["AAAA"]).serialized == ("AAAA",)

@@ -1,4 +1,5 @@
 import io
+import json
 import os
 import struct
 
@@ -11,6 +12,7 @@ from routereplay import codec
 from routereplay import sidecar as sc
 from routereplay.errors import RecordError, RouteReplayError, SidecarError
 from routereplay.sidecar import SidecarReader, SidecarWriter, write_records
+from tests import crafted
 from tests.conftest import random_record
 
 
@@ -184,7 +186,7 @@ def test_layer_groups_decode_only_requested(schema, monkeypatch):
     np.testing.assert_array_equal(part.expert_ids, long.expert_ids[130:140, [1]])
     assert calls == [(128, 1, 4)]           # one of 4 x 3 sections decoded
     calls.clear()
-    v2 = write_records(None, schema, [rec], layer_group=1, format_version=2).getvalue()
+    v2 = crafted.v2_stream(schema, [rec], layer_group=1)
     np.testing.assert_array_equal(SidecarReader(v2).read("g", layers=[1]).expert_ids,
                                   rec.expert_ids[:, [1]])
     assert calls == [(19, 1, 4)]            # version 2: one of three layer sections
@@ -202,16 +204,14 @@ def test_fuzz_payload_with_valid_checksums(data):
     frame, every section's own): the metadata, table and codec paths must still only raise
     our errors (and never allocate by forged sizes)."""
     from routereplay.schema import RoutingSchema
-    from routereplay.sidecar.layout import read_varint
-    from routereplay.testing import crafted
+    from routereplay.varint import read_varint
     schema = RoutingSchema(4, (1, 2, 3), 4, 16)
     rec = _FUZZ_BASE.setdefault("rec", random_record(schema, "f", 30, 1))
     version = data.draw(st.sampled_from([2, 3]))
     grid = dict(token_block=8, one_section_bytes=0, min_section_bytes=0) \
         if data.draw(st.booleans()) else {}
-    payload = bytearray(sc.encode_record_payload(rec, schema, version=version,
-                                                 codecs=crafted.CODECS_V3,
-                                                 **(grid if version == 3 else {})))
+    payload = bytearray(sc.encode_record_payload(rec, schema, codecs=crafted.CODECS_V3, **grid)
+                        if version == 3 else crafted.v2_payload(rec, schema))
     if version == 2:
         mlen = struct.unpack("<I", payload[:4])[0] + 4
     else:
@@ -225,8 +225,7 @@ def test_fuzz_payload_with_valid_checksums(data):
                                | st.integers(0, 255))
     if version == 3:
         payload = crafted.reseal(bytes(payload), schema)
-    blob = sc.encode_header(schema, version=version, codecs=crafted.CODECS_V3) + sc.encode_frame(
-        sc.KIND_RECORD, payload)
+    blob = crafted.stream(schema, [payload], version)
     try:
         r = SidecarReader(blob)
         list(r.records(strict=False))
@@ -240,12 +239,15 @@ def test_fuzz_payload_with_valid_checksums(data):
 @pytest.mark.parametrize("version", [2, 3])
 def test_forged_index_never_returns_another_sample(schema, version):
     recs = _records(schema, 2)
-    data = write_records(None, schema, recs, format_version=version).getvalue()
+    data = write_records(None, schema, recs).getvalue() if version == 3 else \
+        crafted.v2_stream(schema, recs)
     r = SidecarReader(data)
     offs = [f.offset for f in r.scan()]
     index_off = struct.unpack("<Q", data[-16:-8])[0]
     # the index names each sample at the other's frame
-    idx = sc.layout.encode_index([("r1", offs[0]), ("r0", offs[1])], version)
+    entries = [("r1", offs[0]), ("r0", offs[1])]
+    idx = sc.layout.encode_index(entries) if version == 3 else \
+        json.dumps({"records": [list(x) for x in entries]}).encode()
     forged = data[:index_off] + sc.encode_frame(sc.KIND_INDEX, idx) + struct.pack(
         "<Q8s", index_off, sc.TRAILER_MAGIC)
     r = SidecarReader(forged)
@@ -314,39 +316,28 @@ def test_writer_killed_mid_frame_keeps_every_complete_frame(tmp_path, schema):
         _assert_same(random_record(schema, f"k{i}", 40, i), r.read(f"k{i}"))
 
 
-def test_reads_format_version_1(schema):
-    """A v1 stream (every meta key present, sections as objects) still reads."""
-    import json
-    rec = random_record(schema, "old", 30, 5)
-    body = codec.encode(rec.expert_ids, "zstd-lm")
-    meta = {**rec.meta(), "sections": [{"name": "routing", "offset": 0, "length": len(body),
-                                        "shape": [rec.num_tokens, 3, 4], "codec": "zstd-lm",
-                                        "layers": [0, 3]}]}
-    js = json.dumps(meta).encode()
-    hjs = json.dumps({"schema": schema.to_dict(), "codec": "zstd-lm", "column_order": "engine",
-                      "layer_group": 4}).encode()
-    data = (struct.pack("<8sHHI", sc.MAGIC, 1, 0, len(hjs)) + hjs + struct.pack("<I", sc.crc32(hjs))
-            + sc.encode_frame(sc.KIND_RECORD, struct.pack("<I", len(js)) + js + body))
-    r = SidecarReader(data)
-    assert r.version == 1
-    got = r.read("old")
-    np.testing.assert_array_equal(got.expert_ids, rec.expert_ids)
-    assert got.weight_versions == rec.weight_versions and got.engine == "test"
+def test_format_version_1_is_refused_with_the_removal(schema):
+    """Format 1 was removed in 0.3.0 (tests/test_legacy_streams.py reads 0.2's fixture)."""
+    hjs = json.dumps({"schema": schema.to_dict(), "codec": "zstd-lm"}).encode()
+    data = struct.pack("<8sHHI", sc.MAGIC, 1, 0, len(hjs)) + hjs + struct.pack("<I", sc.crc32(hjs))
+    with pytest.raises(SidecarError, match=r"format version 1 was removed in routereplay "
+                                           r"0\.3\.0; routereplay 0\.2\.x reads it"):
+        SidecarReader(data)
 
 
 def test_sorted_column_order_stream(schema):
     recs = _records(schema, 2)
     data = write_records(None, schema, recs, column_order="sorted").getvalue()
     r = SidecarReader(data)
-    assert r.column_order == "sorted" and r.header["codec"] == "ctx-ans-sorted"
+    assert r.column_order == "sorted" and r.header["codec"] == "xl-zstd"
     np.testing.assert_array_equal(r.read("r1").expert_ids, np.sort(recs[1].expert_ids, axis=-1))
     with pytest.raises(ValueError, match="column_order"):
-        SidecarWriter(None, schema, codec="ctx-ans-sorted")
+        SidecarWriter(None, schema, column_order="ascending")
 
 
 def test_compact_meta_is_small(schema):
     rec = random_record(schema, "m", 30, 1)
-    payload = sc.encode_record_payload(rec, schema, version=2)
+    payload = crafted.v2_payload(rec, schema)
     mlen = struct.unpack("<I", payload[:4])[0]
     meta = payload[4:4 + mlen]
     assert b'"start"' not in meta and b'"recomputed"' not in meta and b'"offset"' not in meta
@@ -541,20 +532,21 @@ def test_v3_per_record_overhead_is_36_plus_twice_the_id(schema):
     stream_fixed = header + 24 + 1 + 16             # index frame header, count, trailer
     per_record = (len(data) - stream_fixed - coded) / len(recs)
     assert per_record == 36 + 2 * 5, per_record
-    v2 = write_records(None, schema, recs, format_version=2).getvalue()
+    v2 = crafted.v2_stream(schema, recs)
     assert (len(v2) - len(data)) / len(recs) > 60          # version 2: about 120 bytes
 
 
-def test_v2_writer_option_round_trips_and_old_readers_refuse_v3(schema):
+def test_v2_streams_read_and_writers_write_v3_only(schema):
     recs = _records(schema, 3)
-    v2 = write_records(None, schema, recs, format_version=2).getvalue()
-    r = SidecarReader(v2)
-    assert r.version == 2 and r.layer_group == 3          # groups of 4, clamped to L_moe
+    r = SidecarReader(crafted.v2_stream(schema, recs, layer_group=3))
+    assert r.version == 2 and r.layer_group == 3
     for a, b in zip(recs, r.records()):
         _assert_same(a, b)
     assert struct.unpack("<H", write_records(None, schema, recs).getvalue()[8:10]) == (3,)
     with pytest.raises(ValueError, match="format_version"):
         SidecarWriter(None, schema, format_version=4)
+    with pytest.raises(ValueError, match="format version 2 was removed in routereplay 0.3.0"):
+        SidecarWriter(None, schema, format_version=2)
 
 
 def test_v3_repetitive_records_get_longer_token_blocks(schema8):
@@ -575,17 +567,18 @@ def test_v3_repetitive_records_get_longer_token_blocks(schema8):
 # --- issue 13 bug 2: the demo's bytes per row come from the stored section lengths ----------
 @pytest.mark.parametrize("format_version", [2, 3])
 def test_record_bytes_and_demo_figure_use_stored_section_lengths(tmp_path, schema, format_version):
+    """Version 2 (read only) from tests/crafted.py's 0.2 encoder."""
     from routereplay.cli.demo.run import routing_only_bytes
     from routereplay.sidecar import SidecarWriter
     recs = [random_record(schema, f"s{i}", 40 + 13 * i, i) for i in range(4)]
     path = str(tmp_path / "raw.rrsc")
     # a stream stored with the raw codec: a re-encoding with the default codec would
     # report fewer bytes than the stream holds
-    w = SidecarWriter(path, schema, codec="raw-lm", format_version=format_version,
-                      background=False)
-    for r in recs:
-        w.write(r)
-    w.close()
+    if format_version == 2:
+        with open(path, "wb") as f:
+            f.write(crafted.v2_stream(schema, recs, codec="raw-lm"))
+    else:
+        write_records(path, schema, recs, codec="raw-lm", background=False)
     k = schema.top_k
     with SidecarReader(path) as r:
         sizes = [r.record_bytes(x.sample_id) for x in recs]

@@ -1,6 +1,6 @@
 """The vLLM side on the real engine (CPU build), one engine process for all checks
 (tests/vllm_engine_checks.py): the routereplay plugin loaded by vLLM itself (one closed,
-indexed stream per weight version, caller-owned sample ids; codec xl-ans by
+indexed stream per weight version, caller-owned sample ids; codec ctx-zstd by
 ROUTEREPLAY_CODEC), WeightSync on an offline
 engine (stale prefix cache, sources refused before the pause, after_weight_update after a
 framework's own update path, a third-party worker extension composed with ours),
@@ -27,10 +27,10 @@ def run(tiny_model, tmp_path_factory):
     from engine_patches.vllm.harness.triton_cpu import engine_env
     env = engine_env()
     env["ROUTEREPLAY_SIDECAR"] = str(d / "plugin.rrsc")
-    # NOTE: the plugin's streams in xl-ans (the engine's own routing through its writer and
-    # the seeding of each rotated stream from the previous one's counts); the default
-    # codec on the real engine is checked by the demo, serve and mismatch tests
-    env["ROUTEREPLAY_CODEC"] = "xl-ans"
+    # NOTE: the plugin's streams in ctx-zstd, not the default, so the variable is proven to
+    # be followed; the default codec on the real engine is checked by the demo, serve and
+    # mismatch tests
+    env["ROUTEREPLAY_CODEC"] = "ctx-zstd"
     p = run_py([os.path.join(REPO, "tests", "vllm_engine_checks.py"), "--model", tiny_model,
                 "--v2", str(d / "v2"), "--out", str(d)], timeout=900, env=env)
     assert p.returncode == 0, p.stderr[-4000:]
@@ -62,7 +62,7 @@ def _plugin_streams(st):
     for info in st["streams"]:
         with SidecarReader(info["path"]) as r:
             assert r.scan()[-1] is not None, info          # closed: the index was written
-            assert r.header["codec"] == "xl-ans", info      # ROUTEREPLAY_CODEC followed
+            assert r.header["codec"] == "ctx-zstd", info      # ROUTEREPLAY_CODEC followed
             for x in r.records():
                 assert x.sample_id not in out, x.sample_id
                 out[x.sample_id] = (x, info["weight_version"])

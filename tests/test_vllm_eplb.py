@@ -42,17 +42,23 @@ def test_physical_slot_ids_are_refused_as_routing(schema):
 
 def test_plugin_refuses_a_bad_destination_and_parses_references(tmp_path, monkeypatch):
     from engine_patches.vllm import plugin
-    from routereplay.errors import RouteReplayError
+    from routereplay.errors import ConfigError, RouteReplayError
     with pytest.raises(RouteReplayError, match="does not exist"):
         plugin.install(str(tmp_path / "missing" / "x.rrsc"))
     with pytest.raises(RouteReplayError, match="ROUTEREPLAY_CODEC='ctx-zst': unknown codec"):
         plugin.install(str(tmp_path / "x.rrsc"), codec="ctx-zst")
-    with pytest.raises(RouteReplayError, match="needs column_order='sorted'"):
+    # a codec removed in 0.3.0 fails at install, naming the release that converts it
+    with pytest.raises(ConfigError, match=r"ROUTEREPLAY_CODEC='ctx-ans-sorted': .*was removed "
+                                          r"in routereplay 0\.3\.0.*routereplay==0\.2\.\*"):
         plugin.install(str(tmp_path / "x.rrsc"), codec="ctx-ans-sorted")
     # install() without codec= follows ROUTEREPLAY_CODEC, as the plugin's entry point does
     # (the framework review: the variable was ignored in-process, the streams xl-zstd)
     monkeypatch.setenv("ROUTEREPLAY_CODEC", "ctx-zst")
     with pytest.raises(RouteReplayError, match="ROUTEREPLAY_CODEC='ctx-zst': unknown codec"):
+        plugin.install(str(tmp_path / "x.rrsc"))
+    monkeypatch.setenv("ROUTEREPLAY_CODEC", "xl-ans")
+    with pytest.raises(ConfigError, match="ROUTEREPLAY_CODEC='xl-ans': .*was removed in "
+                                          "routereplay 0.3.0"):
         plugin.install(str(tmp_path / "x.rrsc"))
     monkeypatch.delenv("ROUTEREPLAY_CODEC")
     assert plugin.stats() == {}                        # nothing half-installed

@@ -41,7 +41,9 @@ def test_unset_sidecar_imports_nothing_and_logs_nothing(tmp_path):
     p = _run({}, tmp_path)
     assert p.returncode == 0, p.stderr[-3000:]
     mods = json.loads(p.stdout.split("MODULES", 1)[1])
-    assert mods == ["engine_patches", "engine_patches.vllm", "engine_patches.vllm.plugin"], mods
+    # capture_names: the plugin's and the capture's shared names (imports nothing itself)
+    assert mods == ["engine_patches", "engine_patches.vllm", "engine_patches.vllm.capture_names",
+                    "engine_patches.vllm.plugin"], mods
     assert "routereplay" not in p.stderr.lower()
 
 
@@ -52,7 +54,7 @@ def test_unsupported_vllm_logs_one_line_without_traceback(tmp_path):
     assert len(ours) == 1, p.stderr[-3000:]
     assert "0.99.0" in ours[0] and ">=0.32,<0.34" in ours[0]
     assert "Traceback" not in p.stderr and "Failed to load plugin" not in p.stderr
-    assert "engine_patches.vllm.capture" not in p.stdout
+    assert "engine_patches.vllm.capture" not in json.loads(p.stdout.split("MODULES", 1)[1])
     assert not (tmp_path / "s.rrsc").exists()
 
 
@@ -70,18 +72,13 @@ def test_engine_env_sets_only_what_the_machine_needs():
 def test_weight_transfer_sources_map_to_vllm_update_info():
     import numpy as np
 
-    from engine_patches.vllm.weight_sync import FromWeightTransfer, update_info
+    from engine_patches.vllm.weight_sync import update_info
     from routereplay.errors import ConfigError
     from routereplay.weight_sync import FromDistributed, FromTensors
     src = FromDistributed(["a", "b"], ["bfloat16", "float32"], [[2, 3], [4]],
                           extra={"ipc_handles_pickled": "x"})
     assert update_info(src) == {"names": ["a", "b"], "dtype_names": ["bfloat16", "float32"],
                                 "shapes": [[2, 3], [4]], "ipc_handles_pickled": "x"}
-    with pytest.warns(DeprecationWarning, match="FromWeightTransfer"):
-        old = FromWeightTransfer({"names": ["a"], "dtype_names": ["float32"], "shapes": [[1]],
-                                  "packed": True})
-    assert isinstance(old, FromDistributed) and old.update_info == {
-        "names": ["a"], "dtype_names": ["float32"], "shapes": [[1]], "packed": True}
     with pytest.raises(ConfigError, match="2 names, 1 dtypes"):
         FromDistributed(["a", "b"], ["float32"], [[1], [1]])
     # the example: a dict of tensors is taken as its items, not unpacked wrongly

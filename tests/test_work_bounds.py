@@ -15,7 +15,9 @@ from routereplay.record import RoutingRecord
 from routereplay.schema import RoutingSchema
 from routereplay.sidecar import SidecarReader, SidecarWriter
 from routereplay.sidecar import payload as _payload
-from routereplay.testing import crafted
+from routereplay.sidecar import record_meta as _meta
+from routereplay.sidecar.limits import SECTION_FLOOR
+from tests import crafted
 from tests import spec_reader
 
 SCHEMA = RoutingSchema(num_hidden_layers=6, moe_layer_ids=tuple(range(6)), top_k=4,
@@ -31,8 +33,8 @@ def _records(schema, n, t, seed=0):
                             expert_ids=ids[..., :schema.top_k].astype(schema.id_dtype))
 
 
-def _write(schema, codec, t=9, n=3, version=3, **kw):
-    w = SidecarWriter(None, schema, codec=codec, background=False, format_version=version, **kw)
+def _write(schema, codec, t=9, n=3, **kw):
+    w = SidecarWriter(None, schema, codec=codec, background=False, **kw)
     recs = list(_records(schema, n, t))
     for r in recs:
         w.write(r)
@@ -53,21 +55,19 @@ def _frames(data):
     return out
 
 
-@pytest.mark.parametrize("codec", [c for c in _codec.WRITER_CODECS if c not in
-                                   ("xl-ans", "ctx-ans-sorted")])
+@pytest.mark.parametrize("codec", _codec.WRITER_CODECS)
 def test_writer_keeps_tiny_grids_above_the_section_floor(codec):
     """A one-token x one-layer grid: before, the writer wrote 1-row sections of 17-33 bytes
-    (read at 1.2-5 s of CPU per MiB; ctx-ans 16-37); now every record holds at least
-    SECTION_FLOOR bytes per routing section beyond its first, its ctx-ans sections are at
-    or above ctx-ans's floor, and it reads back exactly."""
+    (read at 1.2-5 s of CPU per MiB); now every record holds at least SECTION_FLOOR bytes
+    per routing section beyond its first, and it reads back exactly."""
     data, recs = _write(SCHEMA, codec, **TINY_GRID)
     frames = _frames(data)
     assert len(frames) == len(recs)
     for _, payload in frames:
-        h = _payload.head_length(payload[:16], len(payload))
-        meta = _payload.decode_head(payload[:h], SCHEMA, len(payload))
+        h = _meta.head_length(payload[:16], len(payload))
+        meta = _meta.decode_head(payload[:h], SCHEMA, len(payload))
         assert meta.grid.n_routing >= 2                     # still a grid, not one section
-        assert len(payload) >= _payload.SECTION_FLOOR * (meta.grid.n_routing - 1)
+        assert len(payload) >= SECTION_FLOOR * (meta.grid.n_routing - 1)
     with SidecarReader(io.BytesIO(data)) as r:
         for rec in recs:
             np.testing.assert_array_equal(r.read(rec.sample_id).expert_ids, rec.expert_ids)
@@ -83,73 +83,23 @@ def _tiny_grid_record(schema, codec, t=9, sid="tiny"):
     secs = [(cid[codec], _codec.encode(np.ascontiguousarray(ids[b:b + 1, g:g + 1]), codec,
                                        schema.num_experts))
             for g in range(nl) for b in range(t)]
-    meta = _payload.encode_meta(sid, t, 1, 1)
+    meta = _meta.encode_meta(sid, t, 1, 1)
     return _payload.assemble(meta, secs), rec
 
 
-@pytest.mark.parametrize("codec", ["xl-zstd", "ctx-zstd", "raw-lm", "zstd-lm", "ctx-ans"])
+@pytest.mark.parametrize("codec", ["xl-zstd", "ctx-zstd", "raw-lm"])
 def test_reader_refuses_a_tiny_grid_below_the_section_floor(codec):
     """The stream the writer wrote before the floor (one-row x one-layer sections), built
     directly: refused by its head (naming the sample), before any section is decoded."""
     payload, _ = _tiny_grid_record(SCHEMA, codec)
-    h = _payload.head_length(payload[:16], len(payload))
+    h = _meta.head_length(payload[:16], len(payload))
     with pytest.raises(SidecarError, match="below the reader's floor of 96 bytes") as ei:
-        _payload.decode_head(payload[:h], SCHEMA, len(payload))
+        _meta.decode_head(payload[:h], SCHEMA, len(payload))
     assert ei.value.sample_id == "tiny"
     data = crafted.stream(SCHEMA, [payload])
     with SidecarReader(io.BytesIO(data)) as r:
         assert list(r.records(strict=False)) == []
         assert "floor" in str(r.errors[0])
-
-
-@pytest.mark.parametrize("schema", [SCHEMA, RoutingSchema(num_hidden_layers=2,
-                                                          moe_layer_ids=(0, 1), top_k=8,
-                                                          num_experts=65536)])
-def test_ctx_ans_section_under_its_floor_is_refused_and_never_written(schema):
-    """ctx-ans's floor (per row block, layer and expert): a valid one-section ctx-ans record
-    of 8 rows (before: read at 16-37 s per MiB; 223-293 s at E=65536) is refused by the
-    section check naming it; the writer stores such a section as ctx-zstd instead, in both
-    format versions."""
-    t = 9
-    rec = next(_records(schema, 1, t))
-    blob = _codec.encode(rec.expert_ids, "ctx-ans", schema.num_experts)
-    least = _codec.ctx_ans.least_bytes(t - 1, schema.num_moe_layers, schema.num_experts)
-    assert len(blob) < least
-    cid = crafted.CODECS_V3.index("ctx-ans")
-    payload = _payload.assemble(_payload.encode_meta("short", t - 1), [(cid, blob)])
-    with SidecarReader(io.BytesIO(crafted.stream(schema, [payload]))) as r:
-        assert list(r.records(strict=False)) == []
-        msg = str(r.errors[0])
-        assert "below the reader's floor" in msg and "MoE layers [0, " in msg
-    for version in (3, 2):
-        data, recs = _write(schema, "ctx-ans", t=t, n=2, version=version)
-        with SidecarReader(io.BytesIO(data)) as r:
-            for x in recs:
-                np.testing.assert_array_equal(r.read(x.sample_id).expert_ids, x.expert_ids)
-            assert not r.errors
-        assert b"ctx-zstd" in data                         # named in v2 metas / the v3 table
-        if version == 3:
-            for _, p in _frames(data):
-                h = _payload.head_length(p[:16], len(p))
-                meta = _payload.decode_head(p[:h], schema, len(p))
-                codec_byte = p[h + meta.grid.table_len + 4]
-                assert SidecarReader(io.BytesIO(data)).header["codecs"][codec_byte] == "ctx-zstd"
-
-
-def test_long_ctx_ans_sections_stay_ctx_ans():
-    """Sections above the floor keep their codec: 512-row ctx-ans sections of E=32 top-4."""
-    data, recs = _write(SCHEMA, "ctx-ans", t=2049, n=1)
-    r = SidecarReader(io.BytesIO(data))
-    codecs = r.header["codecs"]
-    _, p = _frames(data)[0]
-    h = _payload.head_length(p[:16], len(p))
-    meta = _payload.decode_head(p[:h], SCHEMA, len(p))
-    g = meta.grid
-    ends = [0] + list(np.frombuffer(p[h:h + g.table_len], "<u4")) + [len(p) - h - g.table_len]
-    body = p[h + g.table_len:]
-    used = {codecs[body[ends[i] + 4]] for i in range(g.n_routing)}
-    assert used == {"ctx-ans"}
-    np.testing.assert_array_equal(r.read("r0").expert_ids, recs[0].expert_ids)
 
 
 def _truncated_token_id_stream():
@@ -180,8 +130,7 @@ def test_truncated_zstd_frames_are_refused_everywhere_by_our_reader():
         assert list(r.records(strict=False)) == []
         assert "truncated" in str(r.errors[0])
     ids, cut = _truncated_ctx_zstd_frame()
-    for c, blob in (("ctx-zstd", cut), ("xl-zstd", b"\0" + cut),
-                    ("zstd-lm", _codec.encode(ids, "zstd-lm")[:-1])):
+    for c, blob in (("ctx-zstd", cut), ("xl-zstd", b"\0" + cut)):
         with pytest.raises(SidecarError):
             _codec.decode(blob, c, ids.shape, ids.dtype, SCHEMA.num_experts)
 
@@ -204,20 +153,19 @@ def test_truncated_zstd_frames_are_refused_everywhere_by_the_spec_reader():
     assert spec_reader.array("token_ids", "zstd", frame, 40) == tok.tolist()
 
 
-@pytest.mark.parametrize("version", [2, 3])
 def test_streams_of_earlier_writers_below_the_floors_stay_readable_on_request(
-        tmp_path, monkeypatch, version):
-    """Nothing written before is lost: a ctx-ans stream of 30-token records as earlier
-    writers wrote it (no floors: emulated by switching the writer's floor off) is refused
-    by default, naming the way to read it, and reads exactly with floors=False, as a file,
-    through open_sidecar and through `convert --from sidecar --no-floors`, which re-codes
-    it into a stream that reads with the floors."""
+        tmp_path, monkeypatch):
+    """Nothing written before is lost: a stream of tiny grids as earlier writers wrote it
+    (no floor: emulated by switching the writer's floor off) is refused by default, naming
+    the way to read it, and reads exactly with floors=False, as a file, through
+    open_sidecar and through `convert --from sidecar --no-floors`, which re-codes it into a
+    stream that reads with the floors."""
     from routereplay.sidecar import open_sidecar
     from tests.conftest import run_py
     schema = RoutingSchema(4, (1, 2, 3), 4, 16)
     with monkeypatch.context() as m:
-        m.setattr(_payload, "section_floor", lambda *a, **k: 0)
-        data, recs = _write(schema, "ctx-ans", t=30, n=4, version=version)
+        m.setattr(_payload, "grid_fits", lambda *a, **k: True)
+        data, recs = _write(schema, "xl-zstd", t=30, n=4, **TINY_GRID)
     old = tmp_path / "old.rrsc"
     old.write_bytes(data)
     with pytest.raises(SidecarError, match=r"below the reader's floor .*floors=False.*"

@@ -133,7 +133,8 @@ def part_same_version(llm, sync, v2, stale) -> dict:
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
-    from engine_patches.vllm.weight_sync import FromCheckpoint, _salt, after_weight_update
+    from engine_patches.vllm.version_salt import _salt
+    from engine_patches.vllm.weight_sync import FromCheckpoint, after_weight_update
     from routereplay.errors import WeightSyncError
     res: dict = {"current": llm.get_weight_version(), "refused": []}
     for call in (lambda: sync.sync(FromCheckpoint(v2), "v2", mode="keep"),

@@ -1,5 +1,5 @@
 """Ask SGLang for routing and stream it into a sidecar: an asyncio HTTP client for RL
-rollouts (thousands of concurrent requests), its blocking twin, and the offline Engine.
+rollouts (thousands of concurrent requests) and its blocking twin.
 
     async with AsyncSGLangRoutingClient("http://127.0.0.1:30000", schema, writer,
                                         max_concurrency=256) as client:
@@ -11,18 +11,14 @@ rollouts (thousands of concurrent requests), its blocking twin, and the offline 
     # multi-turn: the next turn asks only for rows not yet stored
     resp2, rec2 = client.generate({"input_ids": ids + out + user}, start_len=next_start(rec, ids + out + user))
 
-Both clients run on httpx (the ``sglang`` extra): one connection pool per client (keep-alive
-connections reused), at most ``max_concurrency`` requests in flight (asyncio semaphore;
-the pool holds as many connections), retries with exponential backoff on transport errors
-(connection refused or reset, timeouts, a server that closed the connection) and on HTTP
-502/503/504; any other failure fails at once, naming the request. Every attempt has a
-wall-clock deadline (``timeout`` seconds for the whole attempt, not per socket read) and a
-bound on the reply's size derived from the request (:func:`reply_bound`), so a slow,
-endless or hostile reply costs neither unbounded time nor memory (engine_patches.sglang.http).
-Every record is written to the sidecar writer as soon as its response is decoded
-(response decoding runs on a worker thread, so the event loop keeps serving other
-requests; writes are serialised); a response without routing raises RecordError naming the
-request and the server flag.
+Both run on httpx (the ``sglang`` extra): one keep-alive pool per client, at most
+``max_concurrency`` requests in flight, retries with exponential backoff on transport
+errors and HTTP 502/503/504 (any other failure fails at once, naming the request). Every
+attempt has a wall-clock deadline and a reply-size bound derived from the request
+(:func:`reply_bound`), so a slow, endless or hostile reply costs neither unbounded time nor
+memory (engine_patches.sglang.http). Responses are decoded on a worker thread and each
+record is written as soon as it is decoded (writes serialised); a response without routing
+raises RecordError naming the request and the server flag.
 
 NOTE: a retried ``/generate`` may run twice on the server (the first attempt's reply was
 lost); only one reply is used, so the record is still that of one generation.
@@ -74,16 +70,13 @@ def reply_bound(payload: Mapping[str, Any], schema: RoutingSchema, *, kind: str 
     """A generous bound (bytes) on the reply to ``payload``, or None when the request states
     no output length.
 
-    T = prompt tokens + the output length the request states (``sampling_params.
-    max_new_tokens``; OpenAI: ``max_completion_tokens`` or ``max_tokens``). Prompt tokens:
-    ``len(input_ids)`` (or an OpenAI ``prompt`` of ids); for text, the UTF-8 bytes of the
-    whole request body (a byte-level tokenizer makes at most one token per byte) plus
-    ``TEMPLATE_TOKENS`` for a chat template. The routed-experts payload is base64 (4/3) of
-    int32 ``[<= T, num_hidden_layers, top_k + num_fused_shared_experts]``; every token may
-    also carry ``REPLY_BYTES_PER_TOKEN`` of text, ids and logprobs plus
-    ``REPLY_BYTES_PER_TOP_LOGPROB`` per top-logprob alternative asked for
-    (``top_logprobs_num``, ``top_logprobs``, ``logprobs``), and the body
-    ``REPLY_FIXED_BYTES`` more (meta_info).
+    T = prompt tokens + the stated output length (``sampling_params.max_new_tokens``;
+    OpenAI: ``max_completion_tokens`` or ``max_tokens``). Prompt tokens: ``len(input_ids)``
+    (or an OpenAI ``prompt`` of ids); for text, the request body's UTF-8 bytes (at most one
+    token per byte) plus ``TEMPLATE_TOKENS``. Bound: base64 (4/3) of int32 ``[T,
+    num_hidden_layers, top_k + num_fused_shared_experts]``, plus per token
+    ``REPLY_BYTES_PER_TOKEN`` and ``REPLY_BYTES_PER_TOP_LOGPROB`` per top-logprob asked
+    for, plus ``REPLY_FIXED_BYTES``.
     """
     if kind == "generate":
         sp = payload.get("sampling_params")
@@ -149,18 +142,16 @@ class AsyncSGLangRoutingClient:
         schema: the served model's routing schema.
         writer: a SidecarWriter (or None to only return records).
         max_concurrency: requests in flight at most (and pooled connections).
-        timeout: seconds per request attempt, wall-clock, overall: connecting, sending,
-            the generation and reading the whole reply (not per socket read).
+        timeout: seconds per request attempt, wall-clock, overall (not per socket read).
         connect_timeout: seconds for connecting, within ``timeout``.
         retries: extra attempts after a transport error, a missed deadline or HTTP
             502/503/504.
         backoff_s: first retry delay (doubled each retry, with jitter).
         num_fused_shared_experts: fused shared-expert columns the server's payload carries
             per row (0 for SGLang 0.5.23).
-        max_reply_bytes: bound on every reply body (bytes), instead of the one derived
-            from each request (:func:`reply_bound`; requests that state no output length
-            get ``records.MAX_LINE_BYTES``, 1 GiB). Set it for replies the derivation does
-            not foresee (e.g. ``return_hidden_states``).
+        max_reply_bytes: bound on every reply body (bytes), instead of :func:`reply_bound`
+            (or ``records.MAX_LINE_BYTES``, 1 GiB, for requests that state no output
+            length); for replies it does not foresee (e.g. ``return_hidden_states``).
         client: an ``httpx.AsyncClient`` to use instead of the client's own pool.
     Raises:
         ConfigError: a bad policy value.
@@ -201,13 +192,11 @@ class AsyncSGLangRoutingClient:
 
     async def post(self, path: str, body: dict[str, Any], *, max_reply_bytes: int | None = None,
                    name: str | None = None) -> Any:
-        """POST with the concurrency bound, the deadline and the retry policy; the decoded
-        JSON.
+        """POST with the concurrency bound, deadline and retries; the decoded JSON.
 
         Args:
-            max_reply_bytes: bound on the reply body (bytes) of this request; the
-                client's ``max_reply_bytes``, when set, takes precedence; neither:
-                ``records.MAX_LINE_BYTES`` (1 GiB).
+            max_reply_bytes: bound on this reply (bytes); the client's, when set, wins;
+                neither: ``records.MAX_LINE_BYTES`` (1 GiB).
             name: the sample or request named in errors.
         Raises:
             SGLangHTTPError: naming the endpoint (and ``name``): an HTTP error, a reply that
@@ -376,10 +365,9 @@ class SGLangRoutingClient:
 
 
 def request_sampling(payload: Mapping[str, Any], kind: str = "generate") -> SamplingInfo:
-    """The sampling parameters behind a request's log-probs
-    (routereplay.record.sampling_from_sglang): ``/generate`` payloads carry them in
-    ``sampling_params``; OpenAI payloads at the top level (SGLang's OpenAI adapter maps
-    ``temperature``, ``top_p``, ``top_k``, ``min_p`` and the penalties onto the same)."""
+    """The sampling parameters behind a request's log-probs: ``sampling_params`` of a
+    ``/generate`` payload, the top-level fields of an OpenAI one (SGLang's adapter maps
+    them onto the same)."""
     if kind == "generate":
         sp = payload.get("sampling_params")
     else:
@@ -389,23 +377,3 @@ def request_sampling(payload: Mapping[str, Any], kind: str = "generate") -> Samp
     return sampling_from_sglang(sp if isinstance(sp, Mapping) else None,
                                 custom_logit_processor=payload.get("custom_logit_processor"))
 
-
-def engine_generate(engine: Any, schema: RoutingSchema, *, input_ids: Sequence[int],
-                    sampling_params: Mapping[str, Any], start_len: int = 0, writer=None,
-                    sample_id: str | None = None, num_fused_shared_experts: int = 0,
-                    **kw: Any) -> tuple[dict, RoutingRecord]:
-    """Offline ``sglang.Engine.generate`` for one prompt with routing on.
-
-    The engine must be built with ``enable_return_routed_experts=True``.
-    """
-    resp = engine.generate(input_ids=list(input_ids), sampling_params=dict(sampling_params),
-                           return_routed_experts=True, routed_experts_start_len=start_len, **kw)
-    rec = record_from_response(resp, schema, start_len=start_len, prompt_ids=input_ids,
-                               sample_id=sample_id,
-                               num_fused_shared_experts=num_fused_shared_experts,
-                               sampling=sampling_from_sglang(
-                                   sampling_params,
-                                   custom_logit_processor=kw.get("custom_logit_processor")))
-    if writer is not None:
-        writer.write(rec)
-    return resp, rec

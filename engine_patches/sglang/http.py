@@ -5,12 +5,9 @@ clients), one blocking call (:func:`call`, used by the weight sync), and the err
 Every attempt holds two bounds, whatever the server does:
 
 - a deadline: ``timeout`` seconds of wall-clock time for the whole attempt (connect, send,
-  wait, read the whole reply), not per socket read: a server trickling one byte at a time
-  is cut off at the deadline;
-- a size bound: at most ``max_bytes`` bytes of reply body are read (a larger announced
-  Content-Length fails before the body is read; a longer body fails as soon as it passes
-  the bound), so a reply costs memory in proportion to the bound, not to what the server
-  sends.
+  wait, read the whole reply), not per socket read;
+- a size bound: at most ``max_bytes`` bytes of reply body are read (a larger
+  Content-Length fails before the body is read, a longer body as soon as it passes it).
 
 Any failure is an :class:`SGLangHTTPError` naming the request and the reason: HTTP status,
 transport error, deadline, size, or a body that is not JSON (including JSON nested too
@@ -68,9 +65,8 @@ def decode_reply(what: str, raw: bytes | bytearray, allow_text: bool = False) ->
             before parsing: what is left, numbers, costs at most about 8x the bytes).
     """
     # NOTE: parsed JSON costs far more than its bytes where it is mostly containers
-    # (`[{},{},...]`: 3 bytes each, ~60 as Python objects: 27x the bound, attacker review);
-    # real replies hold one container per 20+ bytes (log-prob triples) or fewer (routing is
-    # one base64 string). Counting brackets (inside strings too: conservative) is C-speed.
+    # (`[{},...]`: 3 bytes each, ~60 as Python objects); real replies hold one per 20+
+    # bytes. Counting brackets (inside strings too: conservative) is C-speed.
     containers = raw.count(b"{") + raw.count(b"[")
     if containers > len(raw) // BYTES_PER_CONTAINER + 1024:
         raise SGLangHTTPError(f"{what}: reply JSON of {len(raw)} bytes holds {containers} "

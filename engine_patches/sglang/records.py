@@ -2,19 +2,14 @@
 
 Accepted response shapes: those of :func:`routereplay.wire.sglang_fields` (``/generate``,
 ``Engine.generate``, the OpenAI endpoints; SGLang 0.5.7 to 0.5.23), the one parser of SGLang
-responses. Streaming: :func:`record_from_stream` concatenates every chunk's rows
-(SGLang 0.5.23 sends them all with the final chunk; a server sending rows per chunk is
-assembled the same way) and checks them against the chunks' token counts.
+responses; streams: :func:`record_from_stream`.
 
 Rows: ``routed_experts`` covers token positions [start_len, seqlen - 1) with seqlen =
-prompt_tokens + completion_tokens; start_len is the request's ``routed_experts_start_len``
-(when not given: 0 if the payload has seqlen - 1 rows, else refused as ambiguous). Dense
-layers are zero-filled: they are stripped with the schema, and a non-zero dense row is an
-error (the schema does not match the model). Rows never written (expert 0 in every MoE
-layer over a long run) are refused: routereplay.record.check_written_rows. Fused shared-expert columns: the payload's row width is top_k +
-``num_fused_shared_experts`` as the caller states it (0 for SGLang 0.5.23, which strips
-them), never guessed from the byte count; the fused columns (``-1`` padding or shared
-expert ids >= num_experts) are dropped.
+prompt_tokens + completion_tokens and start_len the request's ``routed_experts_start_len``.
+Dense layers are zero-filled: they are stripped with the schema, and a non-zero dense row
+is an error. The payload's row width is top_k + ``num_fused_shared_experts`` as the caller
+states it (0 for SGLang 0.5.23, which strips them), never guessed from the byte count; the
+fused columns (``-1`` padding or shared expert ids >= num_experts) are dropped.
 """
 from __future__ import annotations
 
@@ -76,39 +71,31 @@ def record_from_response(resp: Mapping[str, Any], schema: RoutingSchema, *,
         schema: the model's routing schema; the payload is int32 [rows,
             num_hidden_layers, top_k + num_fused_shared_experts], dense layers stripped.
         start_len: the request's ``routed_experts_start_len``; None takes it from the
-            response if a client stored it there (``routed_experts_start_len`` next to
-            ``meta_info``), else only from a row count that leaves one possibility:
-            seqlen - 1 rows (start 0, complete). NOTE: any other count fits a later start
-            as well as a payload truncated by as many rows, so it is refused (naming both);
-            the clients of engine_patches.sglang.client always pass the start they sent.
+            response (``routed_experts_start_len`` next to ``meta_info``), else only from
+            seqlen - 1 rows (start 0). NOTE: any other count fits a later start as well as
+            a payload truncated by as many rows, so it is refused (naming both).
         prompt_ids: the request's prompt token ids, to store token_ids (prompt + output).
         sample_id: record id; default the request id (meta_info ``id``, or the OpenAI
             response ``id``).
-        num_fused_shared_experts: fused shared-expert columns the payload carries per row
-            (0 for SGLang 0.5.23, which strips them).
+        num_fused_shared_experts: fused shared-expert columns per row (module doc).
         engine: the record's engine label.
-        sampling: the sampling parameters behind the response's log-probs
-            (routereplay.record.sampling_from_sglang of the request's ``sampling_params``;
-            the clients here pass it), kept where the record has log-probs.
+        sampling: the sampling parameters behind the log-probs
+            (routereplay.record.sampling_from_sglang), kept where the record has log-probs.
     Returns:
         record with ids [seqlen - 1 - start_len, L_moe, top_k] (``schema.id_dtype``:
         uint8 up to 256 experts, else uint16) from position start_len;
-        weight-version spans over token positions (output spans mapped as in
-        routereplay.weight_versions; prompt rows take the first span's version; a single
-        ``weight_version`` covers every row); ``recomputed`` = every row when
+        weight-version spans over token positions (routereplay.weight_versions; prompt
+        rows take the first span's version); ``recomputed`` = every row when
         ``num_retractions > 0`` (SGLang re-prefills a retracted request, overwriting its
-        routes with ones computed later, possibly under new weights, while the log-probs
-        of the tokens sampled before the retract came from the old routes), and those rows
-        then carry the last span's version; ``prefix_cached`` = [0, cached_tokens).
+        routes, possibly under new weights, while the earlier tokens' log-probs came from
+        the old routes), those rows then carrying the last span's version;
+        ``prefix_cached`` = [0, cached_tokens).
     Raises:
         RecordError: naming the request: routed_experts missing (says which flag), not
-            base64, a row count that does not fit the token counts (a row-count mismatch),
-            start_len greater than the prompt length, no start_len with fewer than
-            seqlen - 1 rows (the start is ambiguous), ids out of range, non-zero routing on
-            a layer the schema calls dense, a run of rows never written
-            (routereplay.record.check_written_rows); any other malformed field (one that
-            is not a number, list or object where SGLang sends one) as one RecordError
-            naming the request, the field's exception named.
+            base64, a row-count mismatch, start_len above the prompt length, an ambiguous
+            start, ids out of range, routing on a dense layer, a run of rows never written
+            (routereplay.record.check_written_rows); any other malformed field, naming the
+            field's exception.
     """
     try:
         return _record_from_response(resp, schema, start_len=start_len, prompt_ids=prompt_ids,
@@ -251,15 +238,12 @@ def record_from_stream(chunks: Iterable[Mapping[str, Any]], schema: RoutingSchem
     ``data:`` lines) -> a validated record, as :func:`record_from_response`.
 
     Routing: every chunk's ``routed_experts`` (``meta_info``, or ``sglext`` of an OpenAI
-    chunk) is a block of rows, int32 [rows, num_hidden_layers, top_k +
-    num_fused_shared_experts] in base64; the record's rows are all blocks concatenated in
-    chunk order, from ``start_len``. SGLang 0.5.23 sends one block, all rows, with the
-    finishing chunk; a server or gateway that sends each step's rows with its chunk (the
-    prompt rows with the first) is assembled the same way. Token counts: ``meta_info``
-    ``prompt_tokens`` / ``completion_tokens`` (OpenAI: ``usage``) of the last chunk that
-    carries them; ``output_ids`` are SGLang's cumulative ones (each chunk's extends the
-    previous chunk's), the last chunk's kept. The other ``meta_info`` fields
-    (weight versions, retractions, cached tokens) are merged, a later chunk's winning.
+    chunk) is a base64 block of int32 rows; the record's rows are all blocks in chunk
+    order, from ``start_len`` (SGLang 0.5.23 sends one block with the finishing chunk; a
+    server sending each step's rows with its chunk is assembled the same way). Token
+    counts: ``prompt_tokens`` / ``completion_tokens`` (OpenAI: ``usage``) of the last
+    chunk that carries them; ``output_ids`` are cumulative, the last chunk's kept; other
+    ``meta_info`` fields are merged, a later chunk's winning.
 
     Args:
         chunks: the request's chunks in arrival order (dicts).
@@ -269,16 +253,12 @@ def record_from_stream(chunks: Iterable[Mapping[str, Any]], schema: RoutingSchem
             ``sample_id``, ``engine``).
     Raises:
         RecordError: naming the request, and the chunk where one is at fault: an empty
-            stream; a chunk that is not an object or belongs to another request; no chunk
-            with routed_experts (names the server flag); a block that is not base64 or
-            whole rows; rows beyond the positions computed by a chunk's token counts
-            (prompt + completion - 1 - start_len: a start_len past the rows' start, or a
-            chunk repeating earlier rows, e.g. cumulative blocks or a retracted request's
-            re-prefill); ``output_ids`` that do not extend the previous chunk's or
-            disagree with ``completion_tokens`` (incremental output: a server launched
-            with ``--incremental-streaming-output``); a total that differs from the final
-            token counts (the rows per chunk listed, and the first chunk whose rows fall
-            short of its token count); and everything :func:`record_from_response` refuses.
+            stream; a chunk that is not an object or belongs to another request; no
+            routed_experts (names the server flag); a block not base64 or whole rows; more
+            rows than a chunk's token counts allow; ``output_ids`` that do not extend the
+            previous chunk's (``--incremental-streaming-output``); a total that differs
+            from the final token counts (rows per chunk listed); and everything
+            :func:`record_from_response` refuses.
     """
     if start_len is not None and _chunk_count(start_len) is None:
         raise RecordError(f"start_len must be an integer >= 0, got {start_len!r}")

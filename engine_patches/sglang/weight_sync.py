@@ -11,35 +11,26 @@ One call does pause -> update weights -> (flush the prefix cache) -> set the wei
 | ``retract`` | ``/pause_generation {"mode": "retract"}`` | re-prefilled under the new weights | recomputed: records get ``recomputed`` spans (``num_retractions``); refused unless ``allow_retract=True`` |
 
 The update uses ``flush_cache=True`` (abort, wait) so that no later request is served
-prefix rows computed with old weights under the new version. NOTE: SGLang cannot flush
-while requests sit in the running batch (keep) or the waiting queue (retract puts them
-back there), and it asserts the in-update flush succeeds; in those modes the update goes
-without the flush and the cache is flushed after resume (``/flush_cache?timeout=``, which
-waits for the batch to drain): requests admitted in between can still hit old-weight
+prefix rows computed with old weights. NOTE: SGLang cannot flush while requests sit in the
+running batch (keep) or the waiting queue (retract), and it asserts the in-update flush
+succeeds; in those modes the cache is flushed after resume (``/flush_cache?timeout=``,
+waiting for the batch to drain): requests admitted in between can still hit old-weight
 prefixes. A version-only bump flushes while paused (abort) or after (wait, keep). If that
 late flush fails, weights and version are already committed: the error says so by step.
 
-Sources and the report are routereplay's one vocabulary (:mod:`routereplay.weight_sync`):
-``FromCheckpoint`` -> ``/update_weights_from_disk``, ``FromTensors(serialized=...)`` ->
-``/update_weights_from_tensor``, ``FromDistributed`` -> ``/update_weights_from_distributed``;
-``sync`` returns a :class:`~routereplay.weight_sync.SyncReport` (``calls``: the endpoints in
-order). Frameworks with their own update path call :meth:`SGLangWeightSync.after_weight_update`
-(flush the prefix cache, set the version) after it; :meth:`SGLangWeightSync.set_version` sets
-the first version. SGLang reloads experts into its current EPLB placement itself, so no
-replica refresh follows.
+Sources and the report: :mod:`routereplay.weight_sync` (``FromCheckpoint`` ->
+``/update_weights_from_disk``, ``FromTensors(serialized=...)`` ->
+``/update_weights_from_tensor``, ``FromDistributed`` -> ``/update_weights_from_distributed``).
+Frameworks with their own update path call :meth:`SGLangWeightSync.after_weight_update`
+after it. SGLang reloads experts into its current EPLB placement itself, so no replica
+refresh follows.
 
-One label per update: :meth:`SGLangWeightSync.sync` and
-:meth:`SGLangWeightSync.after_weight_update` first read the server's weight version (``GET
-/model_info``; ``GET /get_model_info`` where the server answers 404, SGLang releases before
-``/model_info``; SGLang starts at ``"default"``, which counts) and refuse an update under
-that label with WeightSyncError before anything is sent that pauses or changes the server
-(:func:`routereplay.weight_sync.check_new_version`). Where the server reports no version
-(neither endpoint served, e.g. a router in front of it, or no ``weight_version`` field),
-the label this object last set counts. A failed read is a WeightSyncError (the server was
-not paused). ``reload_same_version=True`` runs the update anyway, for a deliberate reload
-of the same version: the prefix cache is flushed as in any update (so, as there, in keep
-and retract mode requests admitted before the late flush can still hit old-weight
-prefixes); the label stays.
+One label per update: :meth:`~SGLangWeightSync.sync` and
+:meth:`~SGLangWeightSync.after_weight_update` first read the server's weight version
+(:meth:`~SGLangWeightSync.current_version`; SGLang starts at ``"default"``, which counts)
+and refuse an update under that label with WeightSyncError before anything is sent that
+pauses or changes the server. ``reload_same_version=True`` runs it anyway (a deliberate
+reload): the prefix cache is flushed as in any update; the label stays.
 
 Endpoints and fields: SGLang 0.5.23 ``entrypoints/http_server.py`` and
 ``managers/io_struct.py`` (``PauseGenerationReqInput``, ``UpdateWeightFromDiskReqInput``,
@@ -56,39 +47,14 @@ from typing import Any
 from engine_patches.sglang import http
 from routereplay.errors import ConfigError, RouteReplayError, WeightSyncError
 from routereplay.weight_sync import (FromCheckpoint, FromDistributed, FromTensors, SyncReport,
-                                     check_mode, check_new_version, check_source, deprecated)
+                                     check_mode, check_new_version, check_source)
 
 MODES = ("abort", "wait", "keep", "retract")
 _PAUSE = {"abort": "abort", "keep": "in_place", "retract": "retract"}
 __all__ = ["SGLangWeightSync", "FromCheckpoint", "FromTensors", "FromDistributed", "SyncReport",
-           "WeightSyncError", "FromDisk", "FromTensor"]
+           "WeightSyncError"]
 _VERSION_READS = ("/model_info", "/get_model_info")      # SGLang 0.5.23; before /model_info
 _NOT_SERVED = re.compile(r": HTTP (404|405|501): ")       # http._exchange's status errors
-
-
-class FromDisk(FromCheckpoint):
-    """Deprecated alias (one release): ``FromCheckpoint(path, load_format)``."""
-
-    def __init__(self, model_path: str, load_format: str | None = None):
-        deprecated("engine_patches.sglang.weight_sync.FromDisk", "routereplay.weight_sync.FromCheckpoint")
-        super().__init__(model_path, load_format)
-
-    @property
-    def model_path(self) -> str:
-        return self.path
-
-
-class FromTensor(FromTensors):
-    """Deprecated alias (one release): ``FromTensors(serialized=..., load_format=...)``."""
-
-    def __init__(self, serialized_named_tensors, load_format: str | None = None):
-        deprecated("engine_patches.sglang.weight_sync.FromTensor",
-                   "routereplay.weight_sync.FromTensors(serialized=...)")
-        super().__init__((), serialized_named_tensors, load_format)
-
-    @property
-    def serialized_named_tensors(self):
-        return self.serialized
 
 
 def _endpoint(source: Any) -> tuple[str, dict[str, Any]]:
@@ -122,10 +88,9 @@ class SGLangWeightSync:
 
     Args:
         base_url: e.g. ``http://127.0.0.1:30000``.
-        timeout: seconds per HTTP call, wall-clock, overall (connecting, sending, the
-            server's work and reading the whole reply; not per socket read). Replies are
-            bounded to ``http.CONTROL_REPLY_BYTES`` (1 MiB); a slower, larger or malformed
-            reply is an ``SGLangHTTPError`` (a ``WeightSyncError`` from :meth:`sync`).
+        timeout: seconds per HTTP call, wall-clock, overall (not per socket read). Replies
+            are bounded to ``http.CONTROL_REPLY_BYTES`` (1 MiB); a slower, larger or
+            malformed reply is an ``SGLangHTTPError`` (a ``WeightSyncError`` from :meth:`sync`).
         initial_version: if given, set as the server's weight version now
             (:meth:`set_version`).
 
@@ -225,15 +190,12 @@ class SGLangWeightSync:
     # -- composable step for frameworks with their own update path
     def after_weight_update(self, version: str, *, drain_timeout_s: float = 60.0,
                             reload_same_version: bool = False) -> SyncReport:
-        """What must follow an update the caller made itself (its own
-        ``/update_weights_from_*`` call without ``weight_version``, or another path): set
-        the weight version, then flush the prefix cache so no later request is served
-        prefix rows computed with the old weights (``/flush_cache?timeout=`` waits for
-        running requests to drain).
+        """What must follow an update the caller made itself (without ``weight_version``):
+        set the weight version, then flush the prefix cache (``/flush_cache?timeout=``
+        waits for running requests to drain).
 
         Args:
-            reload_same_version: allow ``version`` to be the server's current weight version
-                (a deliberate reload of it; see the module doc).
+            reload_same_version: allow ``version`` to be the current one (module doc).
         Raises:
             WeightSyncError: ``version`` is the server's current weight version (without
                 ``reload_same_version``; nothing is sent), or naming the failed step; the
@@ -264,8 +226,7 @@ class SGLangWeightSync:
         """Pause, update (or only bump the version when ``source`` is None), resume.
 
         Args:
-            reload_same_version: allow ``version`` to be the server's current weight version
-                (a deliberate reload of it; see the module doc).
+            reload_same_version: allow ``version`` to be the current one (module doc).
         Returns:
             the report; ``calls`` lists the endpoints called, in order (not the version
             read before the pause).

@@ -8,11 +8,8 @@ entry point on any vLLM; the modules that patch or call vLLM (``capture``,
 ``weight_sync``, ``worker_extension``) check the version when they are imported and raise
 ImportError on an unsupported one (:func:`check_vllm_version`).
 
-The product names are importable from here (lazily): ``WeightSync``,
-``after_weight_update``, ``after_weight_update_async``, ``FromCheckpoint``, ``FromTensors``,
-``FromDistributed``, ``SyncReport``, ``record_from_output``, ``WORKER_EXTENSION``,
-``RouteReplayWorkerMixin``, ``with_routereplay``. ``VLLM_VERSION`` (the checked version)
-too.
+The product names (``_LAZY``) and ``VLLM_VERSION`` (the checked version) are importable
+from here, lazily.
 """
 from __future__ import annotations
 

@@ -1,10 +1,8 @@
 """Routing capture in vLLM's front end: every finished request's routing into a sidecar
 stream, one closed, indexed stream per weight version. The public face is
 :mod:`engine_patches.vllm.plugin` (``install``, ``rotate``, ``streams``, ...); this module
-is its implementation and imports vLLM, so it is imported only once capture is switched on.
-
-Importing it checks the installed vLLM version (``engine_patches.vllm.check_vllm_version``)
-and raises ImportError on an unsupported one.
+is its implementation and imports vLLM, so it is imported only once capture is switched on
+(ImportError on an unsupported vLLM, from ``engine_patches.vllm.check_vllm_version``).
 
 Where it hooks (vLLM 0.32/0.33, all in the front-end process):
 
@@ -14,9 +12,7 @@ Where it hooks (vLLM 0.32/0.33, all in the front-end process):
 - ``vllm/v1/engine/input_processor.py``: ``InputProcessor.__init__`` (the model config, for
   the routing schema);
 - ``LLMEngine.set_weight_version`` and ``AsyncLLM.update_weight_version`` (every weight
-  version change: ``LLM.update_weight_version``, ``finish_weight_update(weight_version=)``,
-  the server's ``/update_weight_version``, routereplay's WeightSync): the current stream is
-  closed and the next record opens a new one.
+  version change): the current stream is closed and the next record opens a new one.
 
 Every patch is undone by :func:`uninstall`; nothing is edited on disk; nothing of ours
 reaches vLLM's output loop as an exception (failures are logged, naming the request, and
@@ -26,7 +22,6 @@ from __future__ import annotations
 
 import atexit
 import dataclasses
-import logging
 import os
 import re
 import secrets
@@ -37,20 +32,15 @@ import weakref
 from typing import Any
 
 from engine_patches.vllm import check_vllm_version
+from engine_patches.vllm.capture_names import (ATTEMPT_ARG, ENV_CODEC, ENV_SIDECAR, SAMPLE_ID_ARG,
+                                              SidecarRef, log)
 from engine_patches.vllm.records import record_from_parts, sample_key, sampling_from_vllm
-from routereplay.errors import RouteReplayError, StreamExistsError
+from routereplay.errors import ConfigError, RouteReplayError, StreamExistsError
 from routereplay.record import SamplingInfo
 from routereplay.schema import RoutingSchema
 from routereplay.weight_versions import check_version_label
 
 VLLM_VERSION = check_vllm_version()
-
-ENV_SIDECAR = "ROUTEREPLAY_SIDECAR"
-ENV_CODEC = "ROUTEREPLAY_CODEC"
-SAMPLE_ID_ARG = "routereplay_sample_id"
-ATTEMPT_ARG = "routereplay_attempt"
-
-log = logging.getLogger("routereplay.vllm")
 
 
 @dataclasses.dataclass
@@ -84,12 +74,10 @@ class _RequestInfo:
 def unique_stream_stem(prefix: str) -> str:
     """``<prefix>-<UTC time>-<host>-<pid>-<random>``: a stream name no other process makes.
 
-    NOTE: the pid alone repeats: a container's entrypoint gives the API server the same small
-    pid on every start, so a restarted server would reuse (and before routereplay 0.4,
-    truncate) the earlier run's ``vllm-<pid>.rrsc``; the host keeps servers on one shared
-    folder apart, the time orders a folder's streams by start, and 48 random bits cover
-    the rest (two processes of one host started in the same second with the same pid, as
-    in two containers). The writer also creates every stream exclusively.
+    NOTE: the pid alone repeats (a container gives the API server the same small pid on
+    every start); the host keeps servers on one shared folder apart, the time orders a
+    folder's streams, and 48 random bits cover two containers started in the same second.
+    The writer also creates every stream exclusively.
 
     Example: ``vllm-20261202T031500Z-node7-1-3fa9c2d41b07``.
     """
@@ -111,7 +99,6 @@ class Streamer:
         self.base = self._resolve()             # NOTE: a bad destination fails at start-up
         self.lock = threading.RLock()
         self.writer = None
-        self.seed = None                        # xl-ans counts of the last closed stream
         self.path: str | None = None
         self.seq = 0
         self.version = weight_version           # version of the open (or next) stream
@@ -125,17 +112,13 @@ class Streamer:
 
     # -- streams
     def _resolve(self) -> str:
-        """Path of stream 0 of this process.
-
-        A folder (a local one, or a URL ending in ``/``) gets
-        ``<folder>/<unique_stream_stem("vllm")>.rrsc``: unique across API-server processes,
-        restarts and hosts. A file path is this process's first stream where nothing
-        exists there yet; otherwise (an earlier run's stream, another API server's) see
-        :meth:`_unique_base`.
+        """Path of stream 0 of this process: in a folder (local, or a URL ending in ``/``)
+        ``<folder>/<unique_stream_stem("vllm")>.rrsc``; a file path where nothing exists
+        there yet, else :meth:`_unique_base`.
 
         Raises:
             RouteReplayError: a local destination whose folder does not exist, a '#' in
-                the path, or an unknown codec (``ROUTEREPLAY_CODEC``).
+                the path; ConfigError: a bad codec (:meth:`check_codec`).
         """
         self.check_codec()
         d = self.dest_spec
@@ -165,17 +148,17 @@ class Streamer:
         return base
 
     def check_codec(self) -> None:
-        """``ROUTEREPLAY_CODEC`` against the plugin's column order (engine) and, once known,
-        the schema (``xl-ans`` models at most 64 experts).
+        """``ROUTEREPLAY_CODEC`` against the engine column order and, once known, the schema.
 
         Raises:
-            RouteReplayError: naming the variable and why.
+            ConfigError: naming the variable and why (an unknown codec; a codec removed in
+                0.3.0, with the release that converts it).
         """
         from routereplay.sidecar import writer_codec
         try:
             writer_codec(self.codec, schema=self.schema)
         except ValueError as e:
-            raise RouteReplayError(f"{ENV_CODEC}={self.codec!r}: {e}") from None
+            raise ConfigError(f"{ENV_CODEC}={self.codec!r}: {e}") from None
 
     def _path(self, seq: int) -> str:
         """Stream ``seq`` of this process: the base path, then ``<stem>.<seq:04d><ext>``."""
@@ -193,17 +176,12 @@ class Streamer:
                 try:
                     header["weight_version"] = check_version_label(self.version)
                 except ValueError as e:
-                    # NOTE: a label set through the engine's own API (not our routes, which
-                    # refuse it): the stream stays writable, its header unlabelled; the
-                    # records keep the engine's spans
+                    # NOTE: a label set through the engine's own API (our routes refuse
+                    # it): the header stays unlabelled, the records keep the engine's spans
                     log.error("routereplay: stream %s: %s: not in its header", self.path, e)
             # NOTE: with references handed to clients, each frame must be written and
             # flushed before the reference leaves: no background queue then.
-            # NOTE: xl-ans: each stream starts from the counts the previous one learned
-            # (one stream per weight version would otherwise relearn its model each time)
-            seed = {"xl_ans_seed": self.seed} if self.seed is not None else {}
-            kw = dict(codec=self.codec, background=not self.reference, extra_header=header,
-                      **seed)
+            kw = dict(codec=self.codec, background=not self.reference, extra_header=header)
             try:
                 self.writer = SidecarWriter(self.path, self.schema, **kw)
             except StreamExistsError:
@@ -223,7 +201,6 @@ class Streamer:
             closed = None
             if self.writer is not None:
                 self.writer.close()
-                self.seed = self.writer.learned_model()
                 closed = self.path
                 self.closed.append(StreamInfo(self.path, self.version, self.records, True))
                 if self.version is not None:
@@ -335,7 +312,6 @@ class Streamer:
             self.counts["written"] += 1
             path = self.path or ""
         if self.reference:
-            from engine_patches.vllm.plugin import SidecarRef
             output.routed_experts = SidecarRef.make(path, key)
 
     def flush(self) -> None:
@@ -435,7 +411,6 @@ def _patch_serving() -> None:
     """Served responses: a SidecarRef goes out as the string itself (vLLM would np.save it)."""
     import importlib
 
-    from engine_patches.vllm.plugin import SidecarRef
     for mod_name in ("vllm.entrypoints.openai.completion.serving",
                      "vllm.entrypoints.openai.chat_completion.serving",
                      "vllm.entrypoints.scale_out.token_in_token_out.serving"):

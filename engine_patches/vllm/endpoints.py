@@ -19,14 +19,11 @@ rely on the automatic rotation at every weight-version change):
   "closed"}, ...]}``.
 - ``POST /routereplay/flush``: make every record written so far readable.
 
-Admin routes, behind the engine's own API key: they change what is written (a label in
-every later stream header, when streams close), so they need the key that
-``/v1/completions`` needs. vLLM 0.32 checks ``--api-key`` (else ``VLLM_API_KEY``) in
-``AuthenticationMiddleware`` (``vllm/entrypoints/serve/middleware/authenticate.py``) only
-for paths under ``/v1``, ``/v2``, ``/inference`` and ``/cohere``; every route here runs that
-middleware's own check (``verify_token``: ``Authorization: Bearer <key>``, any of the keys,
-SHA-256 then ``secrets.compare_digest``) with the keys vLLM's ``init_entrypoints_middleware``
-takes, before anything else (the body is not read), and answers as it does: 401
+Admin routes, behind the engine's own API key (they change what is written). vLLM 0.32's
+``AuthenticationMiddleware`` (``vllm/entrypoints/serve/middleware/authenticate.py``) checks
+``--api-key`` (else ``VLLM_API_KEY``) only for paths under ``/v1``, ``/v2``, ``/inference``
+and ``/cohere``; every route here runs that middleware's own ``verify_token`` with the same
+keys before anything else (the body is not read), answering as it does: 401
 ``{"error": "Unauthorized"}``. Without a key configured vLLM's API is open, and so are these.
 
 Errors: 400 (a body that is not a JSON object, an unknown field, a bad ``weight_version``:
@@ -34,15 +31,10 @@ Errors: 400 (a body that is not a JSON object, an unknown field, a bad ``weight_
 body over :data:`MAX_BODY`; refused from ``Content-Length`` when given, else after at most
 ``MAX_BODY`` bytes are read), 409 (capture is not installed in this process).
 
-Streams are named by their file name inside the configured ``ROUTEREPLAY_SIDECAR`` folder
-(the folder itself, or a file destination's folder: every stream of a process lies there,
-``engine_patches/vllm/capture.py``), never by a server path: the caller who configured the
-destination joins the two, and an API-key holder (every client of the engine's API) learns
-nothing of the server's file system or of an fsspec URL's host or credentials. In-process,
-:func:`engine_patches.vllm.plugin.streams` keeps the full paths.
-
-The routes call the capture API of this process (engine_patches.vllm.plugin) and open no
-path into the engine.
+Streams are named by their file name inside the configured ``ROUTEREPLAY_SIDECAR`` folder,
+never by a server path (NOTE: an API-key holder learns nothing of the server's file system
+or of an fsspec URL's host or credentials); :func:`engine_patches.vllm.plugin.streams` keeps
+the full paths. The routes call this process's capture API (engine_patches.vllm.plugin).
 """
 # NOTE: no `from __future__ import annotations`: FastAPI reads the handlers' annotations
 # (the Request parameter) as objects; as strings they would not resolve to the Request

@@ -4,21 +4,13 @@ With EPLB, physical expert slot p of an MoE layer holds logical expert
 ``physical_to_logical_map[layer, p]``, and rearrangements move experts between slots and
 ranks. vLLM's weight loading (``reload_weights``, the weight-transfer engines) maps
 checkpoint experts to slots through the *initial* placement
-(``EplbState.build_initial_global_physical_to_logical_map``: slot p <- logical
-``p`` for the first ``num_logical`` slots, then ``p % num_logical`` for redundant ones), so
-after a rearrangement an update writes the new weights into the wrong slots (prime-rl
-#3583: corrupted inference after a reload). After the update, slot q holds the *new*
-weights of logical ``initial[q]``; :func:`refresh_replicas` moves them to where the current
-map wants them with vLLM's own ``rearrange_expert_weights_inplace(old=initial,
-new=current)``, so every physical replica of a logical expert ends with that expert's new
-weights, across EP ranks too (vLLM's EPLB communicator does the transfers).
+(``EplbState.build_initial_global_physical_to_logical_map``), so after a rearrangement an
+update writes the new weights into the wrong slots. :func:`refresh_replicas` moves them to
+where the current map wants them with vLLM's own ``rearrange_expert_weights_inplace(
+old=initial, new=current)``, across EP ranks too (vLLM's EPLB communicator).
 
 Routing capture is unaffected: vLLM 0.16+ records logical ids before the EPLB mapping
 (``BaseRouter._select_experts``); records reject ids >= num_experts with an EPLB hint.
-
-vLLM rejects EPLB on CPU; tests run :func:`refresh_replicas` on vLLM's own map builders,
-policy and transfer code with a simulated placement (gloo), and
-``tests/test_vllm_eplb_gpu.py`` runs the real engine when a GPU is lent.
 """
 from __future__ import annotations
 

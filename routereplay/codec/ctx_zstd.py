@@ -21,9 +21,7 @@ Per section (ids ``[T, G, K]``), rows in layer-major order:
 
 NOTE: the decoder is zstd plus a handful of whole-array numpy operations per section (a
 cumulative sum, a row gather, a transpose; a table lookup for packed ids), which is what
-makes it fast: no per-symbol work in Python, no adaptive model. ``ctx-ans``
-(routereplay.codec.ctx_ans) is 2-5 % smaller on most traces (11 % with long repeat runs)
-at a tenth of the speed or less (benchmarks/README.md).
+makes it fast: no per-symbol work in Python, no adaptive model.
 """
 from __future__ import annotations
 

@@ -1,9 +1,8 @@
-"""Layer-major codecs ``raw-lm`` and ``zstd-lm`` (docs/FORMAT.md "Routing codecs").
+"""The layer-major codec ``raw-lm`` (docs/FORMAT.md "Routing codecs"), and the bounded zstd
+decompression every zstd section uses.
 
-Transpose ``ids [T, L_g, top_k]`` to layer-major ``[L_g, T, top_k]`` (so each layer's
-token-to-token repetition sits together) and store it raw or as one zstd frame. Kept as the
-fast general-purpose fallback and to read streams written with them; ``ctx-ans``
-(routereplay.codec.ctx_ans) is smaller.
+``raw-lm`` stores ``ids [T, L_g, top_k]`` transposed to layer-major ``[L_g, T, top_k]``,
+uncompressed: the writers' fallback for near-constant routing, and for debugging.
 """
 from __future__ import annotations
 
@@ -14,15 +13,11 @@ import zstandard
 
 from routereplay.errors import SidecarError
 
-ZSTD_LEVEL = 3
 
-
-def encode(ids: np.ndarray, codec: str, level: int = ZSTD_LEVEL) -> bytes:
-    """ids: uint8|uint16 [T, L_g, top_k] -> section bytes (``raw-lm`` or ``zstd-lm``)."""
+def encode(ids: np.ndarray) -> bytes:
+    """ids: uint8|uint16 [T, L_g, top_k] -> ``raw-lm`` bytes (T x L_g x top_k x itemsize)."""
     lm = np.ascontiguousarray(ids.transpose(1, 0, 2)).astype(ids.dtype.newbyteorder("<"), copy=False)
-    if codec == "raw-lm":
-        return lm.tobytes()
-    return zstandard.ZstdCompressor(level=level).compress(lm.tobytes())
+    return lm.tobytes()
 
 
 _TLS = threading.local()
@@ -74,8 +69,8 @@ def bounded_zstd_decompress(data: bytes, nbytes: int, *, exact: bool = True) -> 
     return out
 
 
-def decode(data: bytes, codec: str, shape: tuple[int, int, int], dtype: np.dtype) -> np.ndarray:
-    """Section bytes -> ids [T, L_g, top_k] of ``dtype``.
+def decode(data: bytes, shape: tuple[int, int, int], dtype: np.dtype) -> np.ndarray:
+    """``raw-lm`` section bytes -> ids [T, L_g, top_k] of ``dtype``.
 
     Raises:
         SidecarError: the decoded size does not match ``shape``.
@@ -83,7 +78,7 @@ def decode(data: bytes, codec: str, shape: tuple[int, int, int], dtype: np.dtype
     dtype = np.dtype(dtype).newbyteorder("<")
     t, lg, k = shape
     nbytes = t * lg * k * dtype.itemsize
-    raw = data if codec == "raw-lm" else bounded_zstd_decompress(data, nbytes)
+    raw = data
     if len(raw) != nbytes:
         raise SidecarError(f"routing section decodes to {len(raw)} bytes, metadata says "
                            f"{nbytes} ({t}x{lg}x{k} {dtype.name})")

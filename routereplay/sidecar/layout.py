@@ -8,9 +8,9 @@ layout", "Header", "Frame", "Index payload (kind 2) and trailer").
 
 ``crc`` is the CRC-32 of the whole payload, except in a version-3 record frame, where it
 covers the record's head only (its sections carry their own CRCs: a reader checks exactly
-the bytes it reads). The version-3 index is binary (varints), version 1-2's JSON. Frame
-kinds: 1 record, 2 index, 3 ``xl-ans`` model (version 3; its payload is
-routereplay.codec.xl_ans's, docs/FORMAT.md "Model payload (kind 3)").
+the bytes it reads). The version-3 index is binary (varints), version 2's JSON (read only).
+Frame kinds: 1 record, 2 index, 3 an ``xl-ans`` model of routereplay 0.2 (recognised by
+scans, checksum checked, never parsed).
 
 Every multi-byte integer is little-endian; CRC-32 is zlib's. This module only turns bytes
 into validated numbers and back; it reads no file (see routereplay.sidecar.reader).
@@ -23,19 +23,21 @@ import struct
 import zlib
 from typing import Any
 
+from routereplay.codec import DEFAULT_CODEC, removed_codec_error
 from routereplay.errors import ConfigError, SidecarError
 from routereplay.schema import RoutingSchema
+from routereplay.varint import VarintError, read_varint, varint  # noqa: F401 - re-exported
 
 MAGIC = b"\x89RRSC\r\n\x1a"
-FORMAT_VERSION = 3                             # what writers write by default
-READABLE_VERSIONS = (1, 2, 3)                  # v1: dict sections; v2: JSON meta; v3: grid
-WRITABLE_VERSIONS = (2, 3)                     # v2 for readers older than version 3
+FORMAT_VERSION = 3                             # what writers write
+READABLE_VERSIONS = (2, 3)                     # v2 (JSON meta) read only: sidecar.legacy
+WRITABLE_VERSIONS = (3,)
 COLUMN_ORDERS = ("engine", "sorted")
 FRAME_MAGIC = b"RRFM"
 TRAILER_MAGIC = b"RRSCEND\x00"
 KIND_RECORD = 1
 KIND_INDEX = 2
-KIND_MODEL = 3              # an xl-ans model (docs/FORMAT.md "Model payload (kind 3)")
+KIND_MODEL = 3              # a 0.2 xl-ans model: scanned and checked, never parsed
 _HEADER_FIXED = struct.Struct("<8sHHI")        # magic, version, flags, json_len
 HEADER_FIXED_SIZE = _HEADER_FIXED.size         # 16 bytes
 _FRAME_HDR = struct.Struct("<4sB3xQI")         # magic, kind, payload_len, crc32
@@ -52,51 +54,12 @@ DEFAULT_TOKEN_BLOCK = 512                      # rows per routing section (B)
 DEFAULT_LAYER_GROUP = 1                        # MoE layers per routing section (G)
 DEFAULT_ONE_SECTION_BYTES = 64 << 10           # records with at most this many id bytes: one section
 DEFAULT_MIN_SECTION_BYTES = 1024               # coded bytes a routing section should reach
-V2_LAYER_GROUP = 4                             # the version-2 writer's default layer group
 MAX_CODECS = 256                               # entries of a version-3 header's codec table
 
 
 def crc32(b: bytes | memoryview) -> int:
     """CRC-32 (ISO-HDLC, zlib) of ``b`` as an unsigned 32-bit int."""
     return zlib.crc32(b) & 0xFFFFFFFF
-
-
-# --------------------------------------------------------------------------- varints
-
-
-def varint(n: int) -> bytes:
-    """``n`` (>= 0) as an unsigned LEB128 varint: 7 bits a byte, least significant first,
-    the high bit set on every byte but the last (docs/FORMAT.md "Conventions")."""
-    out = bytearray()
-    while n > 0x7F:
-        out.append((n & 0x7F) | 0x80)
-        n >>= 7
-    out.append(n)
-    return bytes(out)
-
-
-class VarintError(ValueError):
-    """A varint runs past its buffer or past 10 bytes (callers turn it into a SidecarError
-    naming the frame)."""
-
-
-def read_varint(buf: bytes | memoryview, pos: int) -> tuple[int, int]:
-    """(value, position after it) of the varint at ``buf[pos]``.
-
-    Raises:
-        VarintError: the buffer ends inside the varint, or it is longer than 10 bytes.
-    """
-    n = shift = 0
-    end = min(len(buf), pos + 10)
-    while pos < end:
-        b = buf[pos]
-        pos += 1
-        n |= (b & 0x7F) << shift
-        if b < 0x80:
-            return n, pos
-        shift += 7
-    raise VarintError("varint runs past its data" if pos >= len(buf)
-                      else "varint longer than 10 bytes")
 
 
 # --------------------------------------------------------------------------- header
@@ -107,7 +70,7 @@ class Header:
     """What a stream header says (FORMAT.md "Header").
 
     Attributes:
-        version: format version (1, 2 or 3).
+        version: format version (2 or 3).
         schema: the routing schema of every record.
         codec: the writer's default routing codec (each section names its own).
         column_order: "engine" or "sorted".
@@ -138,31 +101,28 @@ def encode_header(schema: RoutingSchema, codec: str | None = None,
                   codecs: tuple[str, ...] | None = None,
                   min_section_bytes: int = DEFAULT_MIN_SECTION_BYTES,
                   stream_id: str | None = None) -> bytes:
-    """Stream header bytes for ``schema`` (FORMAT.md "Header"); ``stream_id``: a random id
-    (hex) that tells a stream from another written later under the same path.
+    """Version-3 stream header bytes for ``schema`` (FORMAT.md "Header"); ``stream_id``: a
+    random id (hex) that tells a stream from another written later under the same path.
 
     Args:
         codec: the writer's default routing codec (default: ``routereplay.codec``'s
-            ``DEFAULT_CODEC``, ``V2_DEFAULT_CODEC`` for version 2, matching
-            :func:`routereplay.sidecar.payload.encode_record_payload`).
-        layer_group: MoE layers per routing section (default: the version's default).
-        version: 3 (default) or 2 (for readers older than version 3).
-        token_block, one_section_bytes: version 3: the writer's section grid (informational).
-        codecs: version 3: the codec table (default: :func:`codec_table` of ``codec``).
+            ``DEFAULT_CODEC``).
+        layer_group, token_block, one_section_bytes, min_section_bytes: the writer's
+            section grid (informational).
+        version: 3 (format 2 and 1 writing was removed in 0.3.0).
+        codecs: the codec table (default: :func:`codec_table` of ``codec``).
+
+    Raises:
+        ConfigError: a version other than 3.
     """
-    if version not in WRITABLE_VERSIONS:
-        raise ConfigError(f"format version {version} is not one a writer writes {WRITABLE_VERSIONS}")
-    if codec is None:
-        from routereplay import codec as _codec
-        codec = _codec.DEFAULT_CODEC if version >= 3 else _codec.V2_DEFAULT_CODEC
-    if layer_group is None:
-        layer_group = DEFAULT_LAYER_GROUP if version >= 3 else V2_LAYER_GROUP
+    check_writable(version)
+    codec = codec or DEFAULT_CODEC
     meta: dict[str, Any] = {"schema": schema.to_dict(), "codec": codec,
-                            "column_order": column_order, "layer_group": layer_group}
-    if version >= 3:
-        meta.update(token_block=token_block, one_section_bytes=one_section_bytes,
-                    min_section_bytes=min_section_bytes,
-                    codecs=list(codecs if codecs is not None else codec_table(codec)))
+                            "column_order": column_order,
+                            "layer_group": layer_group or DEFAULT_LAYER_GROUP,
+                            "token_block": token_block, "one_section_bytes": one_section_bytes,
+                            "min_section_bytes": min_section_bytes,
+                            "codecs": list(codecs if codecs is not None else codec_table(codec))}
     if extra:
         meta["extra"] = extra
     if stream_id is not None:
@@ -171,13 +131,24 @@ def encode_header(schema: RoutingSchema, codec: str | None = None,
     return _HEADER_FIXED.pack(MAGIC, version, 0, len(js)) + js + struct.pack("<I", crc32(js))
 
 
+def check_writable(version: Any) -> None:
+    """Refuse a format version a writer does not write (only 3).
+
+    Raises:
+        ConfigError: naming the version (1 and 2: the removal, :func:`removed_codec_error`).
+    """
+    if version in (1, 2):
+        raise ConfigError(removed_codec_error(f"writing format version {version}") + " (this "
+                          "release reads format 2 and writes format 3 only)")
+    if version not in WRITABLE_VERSIONS:
+        raise ConfigError(f"format_version must be one of {WRITABLE_VERSIONS}, got {version!r}")
+
+
 def codec_table(codec: str) -> tuple[str, ...]:
     """The version-3 codec table a writer whose routing codec is ``codec`` declares: that
-    codec, the codecs it may store a section with (``xl-ans``: ``xl-ans-rows``, listed
-    whatever the schema, and ``xl-zstd``; every codec: ``ctx-zstd``, ``raw-lm``), and the
-    array codecs ``zstd`` and ``raw``. A section's codec byte is an index into it."""
-    extra = ("xl-ans-rows", "xl-zstd") if codec == "xl-ans" else ()
-    return tuple(dict.fromkeys((codec,) + extra + ("ctx-zstd", "raw-lm", "zstd", "raw")))
+    codec, the fallbacks ``ctx-zstd`` and ``raw-lm``, and the array codecs ``zstd`` and
+    ``raw``. A section's codec byte is an index into it."""
+    return tuple(dict.fromkeys((codec, "ctx-zstd", "raw-lm", "zstd", "raw")))
 
 
 def header_json_length(fixed: bytes, stream_size: int) -> tuple[int, int]:
@@ -190,6 +161,8 @@ def header_json_length(fixed: bytes, stream_size: int) -> tuple[int, int]:
     if len(fixed) < HEADER_FIXED_SIZE or fixed[:8] != MAGIC:
         raise SidecarError("not a routereplay sidecar (wrong magic)", offset=0)
     _, version, _flags, jlen = _HEADER_FIXED.unpack(fixed[:HEADER_FIXED_SIZE])
+    if version == 1:
+        raise SidecarError(removed_codec_error("sidecar format version 1"), offset=0)
     if version not in READABLE_VERSIONS:
         raise SidecarError(f"unsupported sidecar format version {version} "
                            f"(this reader supports {READABLE_VERSIONS})", offset=0)
@@ -237,7 +210,7 @@ class FrameHeader:
 
     Attributes:
         offset: byte offset of the frame in the stream.
-        kind: 1 = record, 2 = index (others are skipped by readers).
+        kind: 1 = record, 2 = index, 3 = a 0.2 xl-ans model (others are skipped).
         payload_len: P, payload bytes.
         payload_crc: CRC-32 of the payload (of the head, in a version-3 record frame).
     """
@@ -300,13 +273,10 @@ def _torn(msg: str, offset: int) -> SidecarError:
 # --------------------------------------------------------------------------- index, trailer
 
 
-def encode_index(entries: list[tuple[str, int]], version: int = FORMAT_VERSION) -> bytes:
-    """Index payload. Version 3: ``varint count``, then per record ``varint len, sample id
+def encode_index(entries: list[tuple[str, int]]) -> bytes:
+    """Version-3 index payload: ``varint count``, then per record ``varint len, sample id
     (UTF-8), varint delta`` with the frame offset = previous offset (0 for the first) +
-    delta. Versions 1-2: ``{"records": [[sample_id, frame_offset], ...]}``."""
-    if version < 3:
-        return json.dumps({"records": [[s, o] for s, o in entries]},
-                          separators=(",", ":")).encode()
+    delta."""
     out = [varint(len(entries))]
     prev = 0
     for sid, off in entries:
@@ -320,7 +290,8 @@ def decode_index(payload: bytes, data_start: int, index_offset: int,
                  version: int = 2) -> list[tuple[str, int]] | None:
     """Entries of an index payload, or None when it is not a valid index (then readers
     scan instead). Every offset must lie in the frame area ``[data_start, index_offset)``
-    (version 3 offsets, delta-coded, never decrease)."""
+    (version 3 offsets, delta-coded, never decrease; version 2: ``{"records": [[sample_id,
+    frame_offset], ...]}``)."""
     if version >= 3:
         return _decode_index_v3(memoryview(payload), data_start, index_offset)
     try:

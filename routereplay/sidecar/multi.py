@@ -2,14 +2,11 @@
 
 RL rollouts write several streams per step (one per API-server process or DP replica, one
 per policy version); a trainer reads them as one :class:`routereplay.source.RoutingSource`.
-Sample ids must be unique across the streams: an id in two streams is refused, naming
-both, never resolved by picking one.
+Sample ids must be unique across the streams: an id in two streams is refused, naming both.
 
-NOTE: a long run writes a stream per weight version and API server, which reaches the
-open-file limit (``ulimit -n``, often 1024): streams are opened on demand and at most
-``max_open`` (:data:`MAX_OPEN`) are held open, the least recently used closed first; the
-sample id -> stream map, each stream's header, size and ids are kept while it is closed,
-so a record read reopens only its own stream.
+NOTE: a long run's streams reach the open-file limit (``ulimit -n``, often 1024): at most
+``max_open`` are held open, the least recently used closed first; what a closed stream
+holds (header, size, ids) is kept, so a record read reopens only its own stream.
 """
 from __future__ import annotations
 
@@ -25,11 +22,16 @@ from typing import Any, BinaryIO, Iterator, Sequence, Union
 from routereplay.errors import ConfigError, SidecarError, UnknownSampleError
 from routereplay.record import RoutingRecord
 from routereplay.schema import RoutingSchema
-from routereplay.sidecar.reader import FrameInfo, SidecarReader, _serialized
+from routereplay.sidecar.locking import serialized
+from routereplay.sidecar.reader import SidecarReader
+from routereplay.sidecar.scan import FrameInfo
 from routereplay.source import Rows
 
 Stream = Union[str, os.PathLike, bytes, BinaryIO]
 STREAM_SUFFIX = ".rrsc"          # what a folder source lists
+MAX_OPEN = 64                    # streams (file descriptors) a multi reader holds open at once
+
+
 def _default_max_open() -> int:
     """MAX_OPEN, or a quarter of the process's soft open-file limit where that is less (at
     least 1): other files the process opens keep room under ``ulimit -n``."""
@@ -39,9 +41,6 @@ def _default_max_open() -> int:
     except (ImportError, OSError, ValueError):
         return MAX_OPEN
     return MAX_OPEN if soft == resource.RLIM_INFINITY else max(1, min(MAX_OPEN, soft // 4))
-
-
-MAX_OPEN = 64                    # streams (file descriptors) a multi reader holds open at once
 
 
 def _is_glob(s: str) -> bool:
@@ -62,20 +61,16 @@ def _new_reader(spec: Stream, name: str, floors: bool = True) -> SidecarReader:
 
 
 class _Stream:
-    """One stream of a :class:`MultiSidecarReader`, with the :class:`SidecarReader` API:
-    an item of :attr:`MultiSidecarReader.readers`.
+    """One stream of a :class:`MultiSidecarReader` (an item of its ``readers``), with the
+    :class:`SidecarReader` API.
 
-    Its reader is opened on demand and held in the multi reader's LRU of open streams;
-    while it is closed this keeps what the multi reader needs: ``name``, ``header`` (and
-    ``schema``, ``version``, ``codec``, ``column_order``, ``layer_group``,
-    ``token_block``), its sample ids, ``size`` (bytes), ``complete``, ``torn_tail`` and
-    ``errors`` (those of every time it was open). Any other attribute or method is the
-    open reader's (reopened first when closed; a method call holds the multi reader's
-    lock, so no other thread closes the stream under it).
-
-    A path or URL is reopened by name and checked to be the same stream: same header
-    (writers put a random ``stream_id`` in it), not shrunk, and unchanged if its writer
-    had closed it; else a SidecarError naming it. Bytes and file objects stay open.
+    Its reader is opened on demand and held in the multi reader's LRU; while it is closed
+    this keeps ``name``, the header fields (:attr:`_FIXED`), its sample ids, ``size``,
+    ``complete``, ``torn_tail`` and ``errors``. Any other attribute or method is the open
+    reader's (reopened first; a call holds the multi reader's lock, so no other thread
+    closes it meanwhile). A path or URL is reopened by name and checked to be the same
+    stream (same file and header, not shrunk, unchanged if its writer had closed it), else
+    a SidecarError naming it. Bytes and file objects stay open.
     """
 
     _FIXED = ("header", "schema", "version", "codec", "column_order", "layer_group",
@@ -94,7 +89,7 @@ class _Stream:
         self._ids: list[str] = []
         self._size, self._complete, self._torn = reader.size, reader.complete, reader.torn_tail
         # NOTE: the file itself (device, inode): a copy of the header and the size pasted
-        # into another file at the path would pass the other checks (attacker review)
+        # into another file at the path would pass the other checks
         self._ident = self._file_ident(reader)
         self._errors: list[str] = []         # from the times it was open before
 
@@ -235,24 +230,18 @@ class MultiSidecarReader:
             streams that appear later (rotation: one stream per policy version) are picked
             up; an empty file (a writer that has not flushed its header yet) is listed in
             :attr:`pending` and opened once it has bytes.
-        max_open: streams held open at once (default: :data:`MAX_OPEN`, 64, or a quarter
-            of the process's soft open-file limit where that is less): opening reads
-            every stream's header and index (or scans a live one), then closes the least
-            recently used beyond this; a read reopens just the stream holding the record.
-            Each reopen of a closed stream costs its header and index again (a live one:
-            a scan of it), and a stream removed or replaced while closed cannot be read
-            again (a SidecarError naming it).
+        max_open: streams held open at once (default: :data:`MAX_OPEN`, or a quarter of
+            the soft open-file limit where that is less); the least recently used beyond
+            it are closed. Reopening one reads its header and index again (a live one: a
+            scan); one removed or replaced while closed is a SidecarError naming it.
         floors: :class:`SidecarReader`'s (False: trusted streams of earlier writers).
-        weight_version: read only the streams whose header names this weight version
-            (``header["extra"]["weight_version"]``, as the vLLM plugin writes one stream per
-            version): one policy version's streams out of a folder a server writes for its
-            whole life, where the same sample id may recur under another version. The
-            others are listed in :attr:`other_versions`, never read.
+        weight_version: read only the streams whose ``header["extra"]["weight_version"]``
+            is this (the vLLM plugin writes one stream per version; a sample id may recur
+            under another version); the others are listed in :attr:`other_versions`.
 
     Attributes:
         readers: each stream, in order, with the :class:`SidecarReader` API (opened on
-            demand; ``name``, ``header``, ``schema``, ``size``, ``complete``, ``errors`` are
-            known without opening it).
+            demand).
         schema: the routing schema every stream shares.
         pending: paths of empty streams not opened yet.
         other_versions: (``weight_version``) the streams of other (or no) weight versions,
@@ -415,7 +404,7 @@ class MultiSidecarReader:
             self._owner.setdefault(sid, s)
         s._claimed = len(ids)
 
-    @_serialized
+    @serialized
     def refresh(self) -> bool:
         """Pick up records appended to live streams (each scanned incrementally; a closed
         one is reopened only when its size changed) and streams that appeared in a folder
@@ -433,7 +422,7 @@ class MultiSidecarReader:
         self._open_new()
         return (len(self.readers), len(self._owner)) != before
 
-    @_serialized
+    @serialized
     def stream_of(self, sample_id: str) -> str:
         """The name (path or URL) of the stream holding ``sample_id``.
 
@@ -456,7 +445,7 @@ class MultiSidecarReader:
         return s
 
     # -- the reader's API
-    @_serialized
+    @serialized
     def sample_ids(self) -> list[str]:
         """Sample ids of every stream, stream by stream in order."""
         for s in self.readers:
@@ -465,11 +454,11 @@ class MultiSidecarReader:
                 break
         return [sid for s in self.readers for sid in s.sample_ids()]
 
-    @_serialized
+    @serialized
     def __len__(self) -> int:
         return len(self.sample_ids())
 
-    @_serialized
+    @serialized
     def __contains__(self, sample_id: object) -> bool:
         try:
             self._reader(sample_id)           # type: ignore[arg-type]
@@ -477,12 +466,12 @@ class MultiSidecarReader:
             return False
         return True
 
-    @_serialized
+    @serialized
     def read(self, sample_id: str, **kw: Any) -> RoutingRecord:
         """:meth:`SidecarReader.read` on the stream holding ``sample_id``."""
         return self._open(self._reader(sample_id)).read(sample_id, **kw)
 
-    @_serialized
+    @serialized
     def fetch(self, sample_id: str, moe_layers: Sequence[int],
               runs: Sequence[tuple[int, int]]) -> list[Rows]:
         """:meth:`routereplay.source.RoutingSource.fetch` on the stream holding the sample."""
@@ -493,13 +482,13 @@ class MultiSidecarReader:
         for s in self.readers:
             yield from s.records(strict=strict, **kw)
 
-    @_serialized
+    @serialized
     def scan(self) -> list[tuple[_Stream, FrameInfo]]:
         """(stream, frame) for every record frame of every stream (see
         :meth:`SidecarReader.scan`)."""
         return [(s, fi) for s in self.readers for fi in s.scan()]
 
-    @_serialized
+    @serialized
     def check(self, *, torn_ok: bool = True) -> None:
         """:meth:`SidecarReader.check` on every stream; an empty stream still pending is a
         problem unless ``torn_ok``."""
@@ -524,37 +513,7 @@ class MultiSidecarReader:
         """Bytes of all streams."""
         return sum(s.size for s in self.readers)
 
-    @_serialized
-    def xl_ans_model(self) -> Any:
-        """The ``xl-ans`` model of the last stream that has one (its last model frame; see
-        :meth:`SidecarReader.xl_ans_model`), to seed a later stream; None where none has.
-
-        Raises:
-            SidecarError: that model frame is corrupt."""
-        for s in reversed(self.readers):
-            m = s.xl_ans_model()
-            if m is not None:
-                return m
-        return None
-
-    def xl_ans_counts(self) -> Any:
-        """An ``xl-ans`` model counted from every record of every stream
-        (:meth:`SidecarReader.xl_ans_counts`, summed), to seed a later stream's writer.
-
-        Raises:
-            SidecarError: a record that does not read (named);
-            RecordError (a ValueError): a schema xl-ans cannot model (E outside 2-64)."""
-        total = None
-        for s in self.readers:
-            m = s.xl_ans_counts()
-            if total is None:
-                total = m
-            else:
-                for name in ("flags", "pop", "pair", "joint"):
-                    getattr(total, name)[...] += getattr(m, name)
-        return total
-
-    @_serialized
+    @serialized
     def close(self) -> None:
         """Close every stream (a closed multi reader reads nothing more)."""
         self._closed = True

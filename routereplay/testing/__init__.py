@@ -7,10 +7,10 @@ Nothing in the product imports this package.
 - :class:`CrossLayerRouting`: a routing source whose layers depend on each other (a
   token's experts at layer l drawn given its experts at layer l - 1), records of any
   length, exact code length;
-- :mod:`crafted`: crafted sidecar inputs (forged sizes, bombs, junk) for robustness tests
-  and benchmarks (routereplay.testing.crafted).
+
+Crafted hostile streams (forged sizes, bombs, the 0.2 format-2 encoder) are test-only:
+tests/crafted.py.
 """
-from routereplay.testing import crafted
 from routereplay.testing.traces import CrossLayerRouting, routing_trace
 
-__all__ = ["CrossLayerRouting", "routing_trace", "crafted"]
+__all__ = ["CrossLayerRouting", "routing_trace"]

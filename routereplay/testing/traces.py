@@ -51,7 +51,7 @@ class CrossLayerRouting:
     """A routing source whose layers depend on each other (for tests and benchmarks).
 
     Trained MoE routers route a token at MoE layer l much like they routed it at layer
-    l - 1 of the same token (issue 18: token-major zstd beats layer-major on real routing).
+    l - 1 of the same token (why token-major zstd beats layer-major on real routing).
     This source models that: per layer, a Zipf(``skew``) expert popularity (expert order
     shuffled per layer) and, from layer 1 on, a successor map: each expert of layer l - 1
     prefers ``fanout`` experts of layer l, with weights 1, 1/2, 1/3, ...

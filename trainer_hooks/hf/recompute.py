@@ -31,9 +31,8 @@ def transformed_logprobs(logits: torch.Tensor, targets: torch.Tensor,
     Returns:
         float32 [N]. NOTE: the target is always kept in the truncated set: the engine
         sampled it, so it was in the engine's; a trainer whose logits differ slightly (or
-        tie) would otherwise drop it and give -inf (1-15 of 2000 tokens at noise 0.01-0.05
-        made every k3 infinite: attacker review); its log-prob is then taken over the
-        trainer's kept tokens plus the target.
+        tie) would otherwise drop it and give -inf (an infinite k3); its log-prob is then
+        taken over the trainer's kept tokens plus the target.
     """
     x = logits.float()
     t = transform

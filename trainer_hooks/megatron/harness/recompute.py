@@ -7,9 +7,8 @@ megatron`` and the demo's trainer stage).
         [--padding right|left|packed] [--router-perturb EPS] [--router-select-noise EPS]
 
 It applies the CPU shim and starts gloo processes. Every rank reads the sidecar's token
-ids, engine log-probs and metadata (routing is fetched lazily by each rank's
-RouterReplayer: its samples, token ranges and layers only), splits the global batch over
-data-parallel ranks and microbatches (harness.plan), and runs megatron-core's own
+ids, engine log-probs and metadata (each rank's RouterReplayer fetches only its routing),
+splits the global batch (harness.plan), and runs megatron-core's own
 ``forward_backward_func`` (harness.passes):
 
 1. no replay (the trainer's own routing), forward only;
@@ -17,11 +16,9 @@ data-parallel ranks and microbatches (harness.plan), and runs megatron-core's ow
 3. one training step with replay (forward + backward with full activation recompute): the
    router still gets gradients, and the recompute forward follows the replayed experts.
 
-Rank 0 gathers per-token log-probs and the experts every router used (in router column
-order) and computes the mismatch metrics of conditions 1 and 2 once
-(routereplay.verify.summarize): the output JSON holds them, per sample and per layer, and
-the per-token deltas, whatever the layout. ``--check-record`` adds the layout checks used
-by the tests (harness.checks).
+Rank 0 gathers per-token log-probs and the experts every router used and computes the
+metrics of conditions 1 and 2 (routereplay.verify.summarize) into the output JSON, with
+the per-token deltas. ``--check-record`` adds the tests' layout checks (harness.checks).
 """
 from __future__ import annotations
 

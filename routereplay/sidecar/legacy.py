@@ -1,14 +1,13 @@
-"""Format version 1-2 record payloads (docs/FORMAT.md "Version 2 record payload"): JSON
-meta, then the sections back to back, one CRC over the whole payload (the frame's).
+"""Format version 2 record payloads, read only (docs/FORMAT.md "Version 2 record payload"):
+JSON meta, then the sections back to back, one CRC over the whole payload (the frame's).
 
     payload = meta_len(u32) meta_json body
     body    = section bytes back to back, in the order of meta["sections"]
 
 Version 2 meta leaves defaults out and lists sections as compact arrays
-``[name, codec, length, a, b]``; version 1 meta (read only) is handled by
-routereplay.sidecar.payload_v1 and becomes the same :class:`RecordMeta`. Written only by a
-writer asked for ``format_version=2`` (readers older than version 3); version 3 lives in
-routereplay.sidecar.payload.
+``[name, codec, length, a, b]``. routereplay 0.3.0 writes format 3 only; format 1 and the
+codecs it removed are refused by name (routereplay.codec.removed_codec_error). Depends only
+on the shared primitives (routereplay.sidecar.limits, routereplay.sidecar.record_meta).
 """
 from __future__ import annotations
 
@@ -17,83 +16,32 @@ import struct
 from typing import Any
 
 import numpy as np
-import zstandard
 
-from routereplay import codec as _codec
+from routereplay.codec import REMOVED_CODECS, removed_codec_error
 from routereplay.errors import RecordError, SidecarError
-from routereplay.record import RoutingRecord, SamplingInfo
+from routereplay.record import SamplingInfo, WeightVersionSpan
 from routereplay.schema import RoutingSchema
-from routereplay.sidecar.layout import MAX_JSON_BYTES, MAX_TOKENS, V2_LAYER_GROUP
-from routereplay.sidecar.payload import (ARRAY_SECTIONS, EXPANSION, EXPANSION_SLACK,
-                                         FALLBACK, MetaError, RecordMeta, Section,
-                                         check_counts, is_int, parse_spans, section_fits)
+from routereplay.sidecar.layout import MAX_JSON_BYTES, MAX_TOKENS
+from routereplay.sidecar.limits import EXPANSION, EXPANSION_SLACK, section_fits
+from routereplay.sidecar.record_meta import (ARRAY_SECTIONS, MetaError, RecordMeta, Section,
+                                             check_counts, is_int)
 
-# Meta keys a version-2 writer leaves out when they hold their default.
+# Meta keys a version-2 writer left out when they held their default.
 META_DEFAULTS: dict[str, Any] = {"start": 0, "prompt_len": None, "weight_versions": [],
                                  "recomputed": [], "prefix_cached": [], "engine": "",
                                  "sampling": None}
 
 
-def encode_payload_v2(record: RoutingRecord, schema: RoutingSchema, codec: str,
-                      layer_group: int = V2_LAYER_GROUP, column_order: str = "engine") -> bytes:
-    """Version-2 record payload: u32 meta_len, meta JSON, then the section blobs.
-
-    Meta keys equal to their default are left out; sections are ``[name, codec, length,
-    a, b]`` arrays laid back to back in list order. ``column_order="sorted"`` stores each
-    row in ascending expert order. A section that would expand beyond the reader's limit
-    (:func:`section_fits`) is stored with the next codec of :data:`FALLBACK` that fits.
-
-    Raises:
-        RecordError: the meta JSON exceeds the reader's limit (``MAX_JSON_BYTES``); a
-            sample id or weight version holding a lone surrogate (JSON joins an escaped
-            pair into another character: it would be read back as another id).
-    """
-    for text in [record.sample_id] + [str(w.version) for w in record.weight_versions]:
-        if any(0xD800 <= ord(c) <= 0xDFFF for c in text):
-            raise RecordError(f"sample {record.sample_id!r}: {text!r} holds a lone surrogate, "
-                              "which format 2's JSON meta does not round-trip (format 3 does)")
-    sections: list[list[Any]] = []
-    blobs: list[bytes] = []
-    ids = np.sort(record.expert_ids, axis=-1) if column_order == "sorted" else record.expert_ids
-    for l0 in range(0, schema.num_moe_layers, layer_group):
-        l1 = min(l0 + layer_group, schema.num_moe_layers)
-        part = ids[:, l0:l1]
-        for c in (codec,) + tuple(f for f in FALLBACK if f != codec):
-            blob = _codec.encode(part, c, schema.num_experts)
-            if section_fits(c, part.nbytes, len(blob)):
-                break
-        blobs.append(blob)
-        sections.append(["routing", c, len(blobs[-1]), l0, l1])
-    if record.token_ids is not None:
-        tok = np.ascontiguousarray(record.token_ids, dtype="<i4").tobytes()
-        blob, c = zstandard.ZstdCompressor(level=3).compress(tok), "zstd"
-        if not section_fits(c, len(tok), len(blob)):
-            blob, c = tok, "raw"
-        blobs.append(blob)
-        sections.append(["token_ids", c, len(blobs[-1]), len(tok) // 4])
-    if record.logprobs is not None:
-        lp = np.ascontiguousarray(record.logprobs, dtype="<f4")
-        blobs.append(lp.tobytes())
-        sections.append(["logprobs", "raw", len(blobs[-1]), int(lp.shape[0])])
-    meta = {k: v for k, v in record.meta().items() if META_DEFAULTS.get(k, ...) != v}
-    meta["sections"] = sections
-    js = json.dumps(meta, sort_keys=True, separators=(",", ":")).encode()
-    if len(js) > MAX_JSON_BYTES:
-        raise RecordError(f"sample {str(record.sample_id)[:80]!r}: record meta of {len(js)} bytes "
-                          f"exceeds the reader's limit of {MAX_JSON_BYTES} bytes")
-    return struct.pack("<I", len(js)) + js + b"".join(blobs)
-
-
-def decode_payload_v2(payload: bytes | memoryview, schema: RoutingSchema, version: int,
+def decode_payload_v2(payload: bytes | memoryview, schema: RoutingSchema,
                       offset: int | None = None) -> tuple[RecordMeta, memoryview]:
-    """Split a version-1/2 record payload into validated meta and the body.
+    """Split a version-2 record payload into validated meta and the body.
 
     Args:
         payload: the frame's payload (its CRC already checked).
-        version: the stream's format version (1 or 2).
         offset: the frame's offset, for error messages.
     Raises:
-        SidecarError: naming the offset (and the sample id when the meta names one).
+        SidecarError: naming the offset (and the sample id when the meta names one); a
+            routing section of a removed codec names its MoE layers and the removal.
     """
     payload = memoryview(payload)
     if len(payload) < 4:
@@ -112,13 +60,8 @@ def decode_payload_v2(payload: bytes | memoryview, schema: RoutingSchema, versio
     sid = raw.get("sample_id")
     sid = sid if isinstance(sid, str) else None
     try:
-        if version == 1:
-            from routereplay.sidecar.payload_v1 import sections_v1
-            raw = {**raw, "sections": sections_v1(raw.get("sections"), raw.get("num_tokens"),
-                                                  schema)}
-        else:
-            raw = {**META_DEFAULTS, **raw,
-                   "sections": _sections_v2(raw.get("sections"), raw.get("num_tokens"), schema)}
+        raw = {**META_DEFAULTS, **raw,
+               "sections": _sections_v2(raw.get("sections"), raw.get("num_tokens"), schema)}
         meta = _validate(raw, schema, len(body))
     except MetaError as e:
         raise SidecarError("invalid record meta" + (f" for sample {sid!r}" if sid else "")
@@ -146,6 +89,25 @@ def _sections_v2(secs: Any, num_tokens: Any, schema: RoutingSchema) -> list[Sect
     return out
 
 
+def _parse_spans(meta: dict[str, Any]) -> tuple[list[WeightVersionSpan],
+                                                dict[str, tuple[tuple[int, int], ...]]]:
+    """JSON span lists -> weight-version spans and the flag spans."""
+    spans = []
+    for span in meta["weight_versions"]:
+        if not (isinstance(span, list) and len(span) == 3 and isinstance(span[0], str)
+                and all(is_int(x) for x in span[1:]) and 0 <= span[1] <= span[2]):
+            raise MetaError(f"bad weight-version span {span!r}")
+        spans.append(WeightVersionSpan(span[0], span[1], span[2]))
+    flags: dict[str, tuple[tuple[int, int], ...]] = {}
+    for key in ("recomputed", "prefix_cached"):
+        for span in meta[key]:
+            if not (isinstance(span, list) and len(span) == 2
+                    and all(is_int(x) for x in span) and 0 <= span[0] <= span[1]):
+                raise MetaError(f"bad {key} span {span!r}")
+        flags[key] = tuple((a, b) for a, b in meta[key])
+    return spans, flags
+
+
 def _validate(meta: dict[str, Any], schema: RoutingSchema, body_len: int) -> RecordMeta:
     types = {"sample_id": str, "num_tokens": int, "start": int, "weight_versions": list,
              "recomputed": list, "prefix_cached": list, "engine": str}
@@ -160,7 +122,7 @@ def _validate(meta: dict[str, Any], schema: RoutingSchema, body_len: int) -> Rec
     pl = meta.get("prompt_len")
     if pl is not None and (not is_int(pl) or pl < 0):
         raise MetaError("prompt_len not a non-negative integer")
-    spans, flags = parse_spans(meta)
+    spans, flags = _parse_spans(meta)
     sampling = None
     if meta.get("sampling") is not None:
         # NOTE: an addition to version 2's meta: readers before it ignore the key
@@ -191,6 +153,9 @@ def _validate(meta: dict[str, Any], schema: RoutingSchema, body_len: int) -> Rec
             if sec.shape != (t, ly[1] - ly[0], schema.top_k):
                 raise MetaError(f"routing section shape {list(sec.shape)} does not match "
                                 "num_tokens/top_k")
+            if sec.codec in REMOVED_CODECS:
+                raise MetaError(f"routing section of MoE layers [{ly[0]}, {ly[1]}): "
+                                + removed_codec_error(f"routing codec {sec.codec!r}"))
             covered.extend(range(ly[0], ly[1]))
         elif sec.name in ARRAY_SECTIONS:
             if len(sec.shape) != 1 or sec.codec not in ("zstd", "raw"):

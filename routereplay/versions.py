@@ -1,4 +1,0 @@
-"""Deprecated alias of :mod:`routereplay.weight_versions` (the pre-0.2 name, kept for one release)."""
-from routereplay._deprecated import alias_module
-
-alias_module(__name__, "routereplay.weight_versions")
