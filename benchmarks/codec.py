@@ -42,7 +42,7 @@ from routereplay import codec, wire  # noqa: E402
 from routereplay.record import RoutingRecord  # noqa: E402
 from routereplay.schema import RoutingSchema  # noqa: E402
 from routereplay.sidecar import SidecarReader, write_records  # noqa: E402
-from routereplay.testing import CrossLayerRouting, routing_trace
+from tests.traces import CrossLayerRouting, routing_trace
 from tests import crafted  # noqa: E402
 
 GROUP = 4
@@ -146,7 +146,7 @@ def tiny_trace(args):
             return None
         import json
         from engine_patches.vllm.harness.triton_cpu import engine_env
-        from routereplay.cli.demo.run import _run_stage
+        from routereplay.cli.stage import run_stage
         from routereplay.cli.demo.tiny_model import demo_prompts, ensure_tiny_model
         work = tempfile.mkdtemp(prefix="routereplay-bench-")
         path = os.path.join(work, "rollout.rrsc")
@@ -154,12 +154,12 @@ def tiny_trace(args):
             json.dump(demo_prompts(32), f)
         print(f"(running a 32 x 128-token vLLM rollout of the tiny model into {path} ...)",
               flush=True)
-        _run_stage("vLLM rollout", [
+        run_stage("vLLM rollout", [
             sys.executable, "-m", "engine_patches.vllm.harness.rollout", "--model", ensure_tiny_model(),
             "--prompts", os.path.join(work, "prompts.json"), "--sidecar", path,
             "--summary", os.path.join(work, "summary.json"), "--dtype", "bfloat16",
-            "--max-tokens", "128", "--seed", "0"], engine_env(), 1200,
-            os.path.join(work, "rollout.log"))
+            "--max-tokens", "128", "--seed", "0"], env=engine_env(), timeout=1200,
+            log=os.path.join(work, "rollout.log"), progress=False)
     with SidecarReader(path) as r:
         recs = [x.expert_ids for x in r.records(arrays=False)]
         return r.schema, recs

@@ -33,7 +33,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from routereplay.record import RoutingRecord  # noqa: E402
 from routereplay.schema import RoutingSchema  # noqa: E402
 from routereplay.sidecar import write_records  # noqa: E402
-from routereplay.testing import routing_trace  # noqa: E402
+from tests.traces import routing_trace  # noqa: E402
 
 LAYOUTS = ["", "tp=2,sp", "pp=2", "ep=2"]
 

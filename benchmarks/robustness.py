@@ -122,7 +122,7 @@ def npz_bomb(path: str, nbytes: int) -> None:
 
 
 # Issue 27 item 9: tiny sections, written by the writer (a one-token x one-layer grid; one-row
-# records; version-2 one-row records in one-layer groups, by routereplay.testing's 0.2
+# records; version-2 one-row records in one-layer groups, by tests/crafted.py's 0.2
 # encoder) for each writer codec, and the same grid assembled directly (what the writer wrote
 # before the section floors), E=65536 too
 SCHEMA_WIDE = RoutingSchema(num_hidden_layers=4, moe_layer_ids=(0, 1, 2, 3), top_k=8,

@@ -10,7 +10,7 @@ What it does, end to end, with the product's own code:
    vectorised numpy, never the whole step in memory. Per MoE layer a row repeats the
    previous token's row with probability ``--repeat``, else eight distinct ids are drawn
    from a Zipf(``--skew``) expert popularity shuffled per layer (the trace family of
-   ``routereplay.testing.traces``, drawn faster: rejection of rows with a repeated id instead
+   ``tests/traces.py``, drawn faster: rejection of rows with a repeated id instead
    of Gumbel top-k). Uniform routing (``--skew 0 --repeat 0``) is the ceiling: 63.8 bits
    per (token, MoE layer).
 2. Writes every record through ``SidecarWriter`` into ``--streams`` streams, as the

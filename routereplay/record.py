@@ -36,7 +36,7 @@ class WeightVersionSpan:
     end: int
 
 
-@dataclasses.dataclass(init=False)
+@dataclasses.dataclass
 class RoutingRecord:
     """Routing of one sample plus what is needed to replay and validate it.
 
@@ -46,8 +46,7 @@ class RoutingRecord:
         sample_id: the caller's id of the sample (the RL framework's uid, or the engine's
             request id); unique within a stream.
         expert_ids: uint8 or uint16 [T, L_moe, K], logical expert ids, engine column order;
-            dense layers already stripped (see RoutingSchema.strip_dense). ``ids`` is an
-            alias kept for one release.
+            dense layers already stripped (see RoutingSchema.strip_dense).
         start: token position of row 0 (vLLM ``routed_experts_prompt_start``).
         prompt_len: number of prompt tokens, or None if unknown.
         token_ids: optional int32 [N], the full sequence (prompt + generated tokens).
@@ -72,40 +71,6 @@ class RoutingRecord:
     prefix_cached: list[tuple[int, int]] = dataclasses.field(default_factory=list)
     engine: str = ""
     sampling: SamplingInfo | None = None
-
-    def __init__(self, sample_id: str, expert_ids: np.ndarray | None = None, start: int = 0,
-                 prompt_len: int | None = None, token_ids: np.ndarray | None = None,
-                 logprobs: np.ndarray | None = None,
-                 weight_versions: list[WeightVersionSpan] | None = None,
-                 recomputed: list[tuple[int, int]] | None = None,
-                 prefix_cached: list[tuple[int, int]] | None = None, engine: str = "", *,
-                 ids: np.ndarray | None = None, sampling: SamplingInfo | None = None):
-        # NOTE: ``ids=`` is the pre-0.2 name; when both are given (dataclasses.replace(r,
-        # ids=x) passes the old expert_ids too), ``ids`` wins.
-        if ids is not None:
-            expert_ids = ids
-        if expert_ids is None:
-            raise RecordError(f"sample {sample_id!r}: no expert_ids given")
-        self.sample_id = sample_id
-        self.expert_ids = expert_ids
-        self.start = start
-        self.prompt_len = prompt_len
-        self.token_ids = token_ids
-        self.logprobs = logprobs
-        self.weight_versions = [] if weight_versions is None else weight_versions
-        self.recomputed = [] if recomputed is None else recomputed
-        self.prefix_cached = [] if prefix_cached is None else prefix_cached
-        self.engine = engine
-        self.sampling = sampling
-
-    @property
-    def ids(self) -> np.ndarray:
-        """Alias of :attr:`expert_ids` (kept for one release)."""
-        return self.expert_ids
-
-    @ids.setter
-    def ids(self, value: np.ndarray) -> None:
-        self.expert_ids = value
 
     @property
     def num_tokens(self) -> int:

@@ -14,7 +14,7 @@ from routereplay.record import RoutingRecord, WeightVersionSpan
 from routereplay.schema import RoutingSchema
 from routereplay.sidecar import SidecarReader, write_records
 from routereplay.codec import xl_zstd
-from routereplay.testing import CrossLayerRouting, routing_trace
+from tests.traces import CrossLayerRouting, routing_trace
 from tests import crafted
 from tests import spec_reader
 
@@ -309,10 +309,10 @@ def test_xl_zstd_in_a_stream_partial_reads_and_spec_reader():
     data = write_records(None, schema, recs, layer_group=4, codec="xl-zstd").getvalue()
     _, got = spec_reader.read_stream(data)
     for rec, g in zip(recs, got):
-        assert g["routing"] == rec.ids.tolist()
+        assert g["routing"] == rec.expert_ids.tolist()
     r = SidecarReader(data)
-    np.testing.assert_array_equal(r.read("s3", layers=[5, 6]).ids, recs[3].ids[:, 5:7])
-    np.testing.assert_array_equal(r.read("p").ids, recs[4].ids)
+    np.testing.assert_array_equal(r.read("s3", layers=[5, 6]).expert_ids, recs[3].expert_ids[:, 5:7])
+    np.testing.assert_array_equal(r.read("p").expert_ids, recs[4].expert_ids)
 
 
 def test_xl_zstd_corrupt_sections_are_our_error():
@@ -388,7 +388,7 @@ def test_grid_sections_trial_pass_keeps_every_section_of_xl_zstd_encode():
     win), a block grown (cross-layer E=8 top-2), one section."""
     from routereplay.codec import xl_zstd
     from routereplay.sidecar.payload import grid_sections
-    from routereplay.testing import CrossLayerRouting
+    from tests.traces import CrossLayerRouting
     uniform, _ = routing_trace(np.random.default_rng(3), 3000, 6, 256, 4, 0.0, 0.0)
     cross = CrossLayerRouting.make(np.random.default_rng(7), 32, 8, 2).sample(
         np.random.default_rng(1), 2048)[0]

@@ -413,7 +413,7 @@ def _grid_stream(schema8, n=3, t=3000, **kw):
     rng = np.random.default_rng(4)
     recs = []
     for i in range(n):
-        ids, _ = __import__("routereplay.testing", fromlist=["x"]).routing_trace(
+        ids, _ = __import__("tests.traces", fromlist=["x"]).routing_trace(
             rng, t, schema8.num_moe_layers, schema8.num_experts, schema8.top_k, 0.3, 1.0)
         recs.append(RoutingRecord(f"g{i}", ids, prompt_len=t // 2))
     return recs, write_records(None, schema8, recs, token_block=256, min_section_bytes=0,
@@ -553,7 +553,7 @@ def test_v3_repetitive_records_get_longer_token_blocks(schema8):
     """Sections that code to less than min_section_bytes on average (90 % repeats) are
     merged along tokens: fewer sections, each about that size, and a smaller record."""
     from routereplay.record import RoutingRecord
-    from routereplay.testing import routing_trace
+    from tests.traces import routing_trace
     ids, _ = routing_trace(np.random.default_rng(3), 4096, 8, 64, 4, 0.95, 1.0)
     rec = RoutingRecord("rep", ids)
     merged = write_records(None, schema8, [rec], token_block=256).getvalue()

@@ -35,8 +35,8 @@ from typing import Any
 from engine_patches.vllm import installed_vllm_version
 from routereplay.errors import ConfigError
 
-METHODS = ("routereplay_reprepack_cpu_moe", "routereplay_load_tensors",
-           "routereplay_load_tensors_file", "routereplay_refresh_eplb")
+METHODS = ("routereplay_reprepack_cpu_moe", "routereplay_load_tensors_file",
+           "routereplay_refresh_eplb")
 
 
 def needs_cpu_moe_reprepack(version: str | None = None) -> bool:
@@ -91,11 +91,6 @@ class RouteReplayWorkerMixin:
             names = list(f.keys())
             self.reload_weights(weights_iterator=[(n, f.get_tensor(n)) for n in names])
         return len(names)
-
-    def routereplay_load_tensors(self, names: list, tensors: list) -> None:
-        """Load named tensors passed by value (kept for callers of the 0.1 API; FromTensors
-        updates go through :meth:`routereplay_load_tensors_file`)."""
-        self.reload_weights(weights_iterator=list(zip(names, tensors)))
 
     def routereplay_refresh_eplb(self, layer_ids: list | None = None) -> int:
         """EPLB replica refresh after an update (engine_patches.vllm.eplb)."""

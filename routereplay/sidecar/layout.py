@@ -259,13 +259,6 @@ def parse_frame_header(hdr: bytes, offset: int, stream_size: int) -> FrameHeader
     return FrameHeader(offset=offset, kind=kind, payload_len=plen, payload_crc=pcrc)
 
 
-def frame_header_valid(hdr: bytes) -> bool:
-    """True when ``hdr`` (24 bytes) starts with the frame magic and its own CRC matches
-    (the resynchronisation test of FORMAT.md)."""
-    return (len(hdr) >= FRAME_HEADER_SIZE and hdr[:4] == FRAME_MAGIC
-            and struct.unpack("<I", hdr[20:24])[0] == crc32(hdr[:20]))
-
-
 def _torn(msg: str, offset: int) -> SidecarError:
     return SidecarError(msg, offset=offset, torn=True)
 
