@@ -54,7 +54,7 @@ BAD_CALLS = {
     "strip_dense list": lambda: S.strip_dense([[1]]),
     # records
     "record ids list": lambda: _rec(expert_ids=[[1, 2]]).validate(S),
-    "record ids None": lambda: RoutingRecord("x"),
+    "record ids None": lambda: RoutingRecord("x", None).validate(S),
     "record token_ids strs": lambda: _rec(token_ids=np.array(["a"] * 12)).validate(S),
     "record token_ids list": lambda: _rec(token_ids=[1, 2, 3]).validate(S),
     "record logprobs list": lambda: _rec(logprobs=["x"]).validate(S),
