@@ -1,7 +1,7 @@
 """Issue 28 item 3: ``fallback="dummy"`` ids spread over expert-parallel ranks.
 
 The replayer fills the rows without routing with ``align.fill_dummy(ids, E,
-mb.sample_ids, layer_ids, shard)`` (trainer_hooks/megatron/prefetch.py ``load``). These
+mb.sample_ids, layer_ids, shard)`` (trainer_hooks/core/prefetch.py ``load``). These
 tests lay out a step the way an RL trainer does (8 data-parallel ranks, each with its own
 microbatches of padded or packed sequences), fill each rank's rows as the replayer does, and
 count the dummy assignments each expert-parallel rank receives per layer from the 8 ranks'

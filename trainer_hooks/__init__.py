@@ -1,1 +1,1 @@
-"""Trainer-side integrations of routereplay: megatron/ (the product). Imports the core only."""
+"""Trainer-side integrations of routereplay: core/ (what every replayer shares), megatron/ (the product), hf/ (the reference for verify). Imports the routereplay core only."""

@@ -9,10 +9,10 @@ parallel launch, CPU shim, HF checkpoint conversion); the product never imports 
 from trainer_hooks.megatron.version import MCORE_VERSION
 from routereplay.align import Layout, Shard  # noqa: E402
 from trainer_hooks.megatron.config_checks import check_config  # noqa: E402
-from trainer_hooks.megatron.errors import ReplayStateError, UnknownMicrobatchError  # noqa: E402
-from trainer_hooks.megatron.microbatch import Microbatch  # noqa: E402
+from trainer_hooks.core.errors import ReplayStateError, UnknownMicrobatchError  # noqa: E402
+from trainer_hooks.core.microbatch import Microbatch  # noqa: E402
 from trainer_hooks.megatron.replayer import RouterCall, RouterReplayer  # noqa: E402
-from trainer_hooks.megatron.stats import ReplayStats, ReplayStep  # noqa: E402
+from trainer_hooks.core.stats import ReplayStats, ReplayStep  # noqa: E402
 
 __all__ = ["RouterReplayer", "Microbatch", "ReplayStats", "ReplayStep", "RouterCall", "Layout",
            "Shard", "check_config", "ReplayStateError", "UnknownMicrobatchError",

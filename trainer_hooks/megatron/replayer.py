@@ -18,7 +18,7 @@ that ``forward_backward_func`` gets, one chunk without VPP)::
 How it works (and why it is right under 1F1B, interleaved VPP and activation recompute):
 
 - Replay data is keyed by (microbatch key, model chunk), never by call order; only this
-  rank's rows are loaded, ahead of use (trainer_hooks.megatron.prefetch); autograd tags
+  rank's rows are loaded, ahead of use (trainer_hooks.core.prefetch); autograd tags
   tell a recompute forward's microbatch (trainer_hooks.megatron.router_patch).
 - The recompute forward reuses the exact expert ids of the first forward (fallback rows
   too), so backward follows the forward's path.
@@ -57,11 +57,11 @@ from routereplay.schema import RoutingSchema, schema_layers_for
 from routereplay.source import RoutingSource, TokenRowSource, as_source, sorted_order_samples
 from trainer_hooks.megatron.config_checks import (check_config, expert_bias_masks_experts,
                                                   unwrap_config)
-from trainer_hooks.megatron.errors import ReplayStateError, UnknownMicrobatchError
-from trainer_hooks.megatron.microbatch import Held, Microbatch, check_step_samples
-from trainer_hooks.megatron.prefetch import Prefetcher
+from trainer_hooks.core.errors import ReplayStateError, UnknownMicrobatchError
+from trainer_hooks.core.microbatch import Held, Microbatch, check_step_samples
+from trainer_hooks.core.prefetch import Prefetcher
 from trainer_hooks.megatron.router_patch import patched, refuse_patched
-from trainer_hooks.megatron.stats import ReplayStats, ReplayStep
+from trainer_hooks.core.stats import ReplayStats, ReplayStep
 
 __all__ = ["RouterReplayer", "RouterCall", "megatron_topk", "TopK", "Microbatch", "ReplayStats",
            "ReplayStep", "check_config", "ReplayStateError", "UnknownMicrobatchError"]

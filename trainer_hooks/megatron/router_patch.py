@@ -25,7 +25,7 @@ from typing import Any, Iterator
 import torch
 
 from trainer_hooks.megatron.config_checks import padding_mask_hook
-from trainer_hooks.megatron.errors import ReplayStateError
+from trainer_hooks.core.errors import ReplayStateError
 
 _ABSENT = object()
 

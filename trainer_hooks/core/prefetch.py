@@ -19,7 +19,7 @@ import torch
 from routereplay import align
 from routereplay.errors import AlignmentError, RouteReplayError
 from routereplay.source import NoRouting, source_token_ids
-from trainer_hooks.megatron.microbatch import Loaded
+from trainer_hooks.core.microbatch import Loaded
 
 
 def load(rep: Any, key: Any, ci: int, background: bool) -> Loaded:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 
 from routereplay.source import TokenRowSource
-from trainer_hooks.megatron.errors import ReplayStateError
+from trainer_hooks.core.errors import ReplayStateError
 
 
 @dataclasses.dataclass
