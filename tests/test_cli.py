@@ -193,16 +193,18 @@ def test_removed_codecs_format_2_and_seed_from_are_refused_by_name(tmp_path, sch
     out = tmp_path / "o.rrsc"
     npy = ["convert", "--from", "npy", str(tmp_path / "a.npy"), "--out", str(out),
            "--num-experts", "16", "--top-k", "4", "--moe-layers", "1-3"]
-    for args, what in ((npy + ["--codec", "xl-ans"], "--codec xl-ans: codec 'xl-ans'"),
-                       (npy + ["--codec", "ctx-ans"], "--codec ctx-ans: codec 'ctx-ans'"),
+    removal = "was removed in routereplay 0.3.0; routereplay 0.2.x reads it and converts it"
+    for args, what in ((npy + ["--codec", "xl-ans"], f"--codec xl-ans: codec 'xl-ans' {removal}"),
+                       (npy + ["--codec", "ctx-ans"], f"--codec ctx-ans: codec 'ctx-ans' {removal}"),
                        (["convert", "--from", "sidecar", str(sc), "--out", str(out), "--codec",
-                         "ctx-ans-sorted"], "--codec ctx-ans-sorted: codec 'ctx-ans-sorted'"),
+                         "ctx-ans-sorted"],
+                        f"--codec ctx-ans-sorted: codec 'ctx-ans-sorted' {removal}"),
                        (npy + ["--format-version", "2"],
-                        "--format-version 2: writing format version 2")):
+                        "--format-version 2: writing format version 2 was removed in "
+                        "routereplay 0.3.0: write format 3 (the default)")):
         assert main(args) == 2, args
         err = capsys.readouterr().err
-        assert (f"routereplay convert: error: {what} was removed in routereplay 0.3.0; "
-                "routereplay 0.2.x reads it and converts it") in err, err
+        assert f"routereplay convert: error: {what}" in err, err
     assert not out.exists()
     for bad, want in ((["--seed-from", str(sc)], "unrecognized arguments: --seed-from"),
                       (["--codec", "bogus"], "invalid choice: 'bogus' (choose from 'xl-zstd', "

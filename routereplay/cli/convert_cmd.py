@@ -27,7 +27,11 @@ def cmd_convert(a: argparse.Namespace) -> int:
     if a.codec in REMOVED_CODECS:
         raise UsageError(f"--codec {a.codec}: {removed_codec_error(f'codec {a.codec!r}')}")
     if a.format_version == 2:
-        raise UsageError("--format-version 2: " + removed_codec_error("writing format version 2"))
+        from routereplay.sidecar.layout import check_writable
+        try:
+            check_writable(2)
+        except ConfigError as e:
+            raise UsageError(f"--format-version 2: {e}") from None
     given = a.config is not None or any(x is not None for x in (a.num_experts, a.top_k,
                                                                  a.moe_layers, a.num_layers))
     if a.kind == "sidecar":

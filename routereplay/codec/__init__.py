@@ -38,9 +38,11 @@ __all__ = ["CODECS", "WRITER_CODECS", "DEFAULT_CODEC", "REMOVED_CODECS", "remove
 def removed_codec_error(what: str) -> str:
     """The message for something routereplay 0.3.0 removed (``what``, e.g. "codec
     'ctx-ans'", "format version 1"): which release reads it and how to convert it."""
+    # NOTE: in an environment of its own: installing 0.2 over this one would downgrade it
     return (f"{what} was removed in routereplay 0.3.0; routereplay 0.2.x reads it and "
-            "converts it: pip install 'routereplay==0.2.*' && routereplay convert --from "
-            "sidecar IN --out OUT --codec xl-zstd")
+            "converts it, in an environment of its own: python -m venv rr02 && rr02/bin/pip "
+            "install 'routereplay==0.2.*' && rr02/bin/routereplay convert --from sidecar IN "
+            "--out OUT --codec xl-zstd")
 
 
 def encode(ids: np.ndarray, codec: str = DEFAULT_CODEC, num_experts: int | None = None) -> bytes:

@@ -135,10 +135,14 @@ def check_writable(version: Any) -> None:
     """Refuse a format version a writer does not write (only 3).
 
     Raises:
-        ConfigError: naming the version (1 and 2: the removal, :func:`removed_codec_error`).
+        ConfigError: naming the version and what to write instead.
     """
-    if version in (1, 2):
-        raise ConfigError(removed_codec_error(f"writing format version {version}") + " (this "
+    if version == 1:
+        raise ConfigError("format version 1 has not been written since before routereplay 0.2; "
+                          "write format 3 (the default)")
+    if version == 2:
+        raise ConfigError("writing format version 2 was removed in routereplay 0.3.0: write "
+                          "format 3 (the default), which routereplay 0.2.x also reads (this "
                           "release reads format 2 and writes format 3 only)")
     if version not in WRITABLE_VERSIONS:
         raise ConfigError(f"format_version must be one of {WRITABLE_VERSIONS}, got {version!r}")

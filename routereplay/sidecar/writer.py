@@ -82,7 +82,7 @@ class SidecarWriter:
         min_section_bytes: version 3: where a record's routing sections code to less than
             this on average (default 1024; repetitive routing), its token block is multiplied
             by the smallest power of two that reaches it (0: never).
-        format_version: 3 (the only one written; 2 and 1 were removed in 0.3.0).
+        format_version: 3 (the only one written: writing 2 was removed in 0.3.0).
         background: encode and write on a background thread (default). The queue holds
             at most ``max_queue`` records; :meth:`write` blocks when it is full.
         fsync: "close" (default) fsyncs local files on close; "frame" after every frame;
