@@ -108,3 +108,80 @@ def test_the_spec_reader_applies_the_same_rules():
     _, recs = spec_reader.read_stream(crafted.forged(SCHEMA, rec, lambda meta, parts: None))
     assert [r["sample_id"] for r in recs] == ["s0"]
     assert np.array_equal(np.array(recs[0]["routing"]), rec.expert_ids)
+
+
+# ------------------------------------------------- attacker review of issue 29 (0.3.0)
+
+ROWS = crafted.record(SCHEMA, "x", 30, 0).num_tokens
+
+
+def _with_good_first(bad: bytes, version: int) -> tuple[bytes, bytes]:
+    """A stream of a valid record 'ok' followed by the crafted one-record stream's frame."""
+    from routereplay.sidecar import encode_record_payload
+    head = crafted.v2_header(SCHEMA) if version == 2 else None
+    good = crafted.v2_payload(crafted.record(SCHEMA, "ok", 30, 1), SCHEMA) if version == 2 \
+        else encode_record_payload(crafted.record(SCHEMA, "ok", 30, 1), SCHEMA,
+                                   codecs=crafted.CODECS_V3)
+    first = crafted.stream(SCHEMA, [good], version)
+    hlen = len(head) if head is not None else crafted._first_frame(SCHEMA, first)
+    return first + bad[hlen:], good
+
+
+@pytest.mark.parametrize("where", ["routing layer bound", "token_ids count", "unknown name"])
+def test_a_huge_v2_section_integer_is_a_corrupt_record_not_an_overflow(where):
+    """A format-2 section integer of 10**400 behind a valid CRC: OverflowError escaped the
+    scan (np.prod in float64), and the stream's valid record was lost with it."""
+    def edit(m, parts):
+        secs = m["sections"]
+        if where == "routing layer bound":
+            secs[0][4] = 10 ** 400
+        elif where == "token_ids count":
+            next(s for s in secs if s[0] == "token_ids")[3] = 10 ** 400
+        else:
+            secs.append(["future", "raw", 0, 10 ** 400])
+    bad = crafted.forged(SCHEMA, crafted.record(SCHEMA, "bad", 30, 0), edit, version=2)
+    data, _ = _with_good_first(bad, 2)
+    r = SidecarReader(data)
+    assert r.read("ok").num_tokens == ROWS
+    if where == "unknown name":           # FORMAT.md: an unknown well-formed entry is skipped
+        assert r.read("bad").num_tokens == ROWS
+    else:
+        with pytest.raises(SidecarError, match="sample 'bad'"):
+            r.read("bad")
+
+
+def test_a_v2_meta_of_many_section_entries_is_refused_before_work_per_entry():
+    """63,500 tiny unknown-name entries cost 1.3-1.5 s per MiB to scan and read (over the
+    1 s target); 0.2 writers wrote at most L_moe + 2 entries."""
+    def edit(m, parts):
+        m["sections"] += [["a", "r", 0, 1]] * (SCHEMA.num_moe_layers + 65)
+    bad = crafted.forged(SCHEMA, crafted.record(SCHEMA, "bad", 30, 0), edit, version=2)
+    with pytest.raises(SidecarError, match=r"sample 'bad'.*sections, more than 3 MoE layers \+ 64"):
+        SidecarReader(bad).read("bad")
+    ok = crafted.forged(SCHEMA, crafted.record(SCHEMA, "ok2", 30, 0),
+                        lambda m, p: m["sections"].extend([["a", "r", 0, 1]] * 60), version=2)
+    assert SidecarReader(ok).read("ok2").num_tokens == ROWS
+
+
+@pytest.mark.parametrize("version", [2, 3])
+def test_an_unknown_routing_codec_is_found_by_the_scan_like_a_removed_one(version):
+    """A routing section naming a codec the reader does not know passed scan, check() and
+    `inspect` (exit 0), then failed on read; a removed codec is caught by the scan."""
+    def edit(m, parts):
+        m["sections"][0][1] = "bogus"
+    bad = crafted.forged(SCHEMA, crafted.record(SCHEMA, "bad", 30, 0), edit, version=version)
+    r = SidecarReader(bad)
+    with pytest.raises(SidecarError, match=r"unknown routing codec 'bogus'"):
+        r.check()
+    assert any("sample 'bad'" in e and "unknown routing codec 'bogus'" in e for e in r.errors)
+
+
+@pytest.mark.parametrize("version", [2, 3])
+def test_a_routing_section_that_does_not_decode_is_named(version):
+    """The error of a section whose bytes do not decode named the sample and frame, not the
+    section's MoE layers and rows."""
+    def edit(m, parts):
+        parts[0] = bytes(len(parts[0]))      # zeros: the CRC is resealed, the bytes are junk
+    bad = crafted.forged(SCHEMA, crafted.record(SCHEMA, "bad", 30, 0), edit, version=version)
+    with pytest.raises(SidecarError, match=r"sample 'bad'.*MoE layers \[0, \d\), rows \[0, \d+\)"):
+        SidecarReader(bad).read("bad")

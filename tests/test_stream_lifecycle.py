@@ -29,22 +29,27 @@ WRITER = textwrap.dedent("""
     import numpy as np
     from routereplay import RoutingRecord, RoutingSchema, SidecarWriter
     path, tag, n, replace = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4] == "1"
+    more = int(sys.argv[5]) if len(sys.argv) > 5 else 0
     w = SidecarWriter(path, RoutingSchema(4, (0, 1, 2, 3), 2, 8), replace=replace)
-    for i in range(n):
+    def write(i):
         ids = np.zeros((5, 4, 2), np.uint8)
         ids[..., 1] = 1 + i % 7
         w.write(RoutingRecord(f"{tag}-{i}", ids))
+    for i in range(n):
+        write(i)
     w.flush()
     print("flushed", flush=True)
     sys.stdin.readline()
+    for i in range(n, n + more):      # written and closed before the follower looks again
+        write(i)
     w.close()
     print("closed", flush=True)
 """)
 
 
-def _start(path, tag, n, replace=False):
+def _start(path, tag, n, replace=False, more=0):
     p = subprocess.Popen([sys.executable, "-c", WRITER, str(path), tag, str(n),
-                          "1" if replace else "0"], cwd=REPO, stdin=subprocess.PIPE,
+                          "1" if replace else "0", str(more)], cwd=REPO, stdin=subprocess.PIPE,
                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     return p
 
@@ -302,3 +307,26 @@ def test_a_folder_planted_before_close_is_a_library_error_and_keeps_the_partial(
         w.close()
     (partial,) = [p for p in tmp_path.iterdir() if p.name.endswith(".partial")]
     assert SidecarReader(str(partial)).sample_ids() == ["new"]
+
+
+@pytest.mark.parametrize("multi", [False, True])
+def test_a_follower_keeps_the_records_it_found_when_the_writer_closes_between_polls(
+        tmp_path, multi):
+    """Attacker review of issue 29: a follower had scanned r-0, r-1 of a live stream; the
+    writer process wrote r-2 and closed (index + trailer) before the next refresh. The
+    refresh rebuilt the id map from the index and the scan's cross-check then kept only the
+    frames it scanned in that pass: r-0 and r-1 were listed but 'not in sidecar'."""
+    from routereplay.sidecar import MultiSidecarReader
+    path = tmp_path / "s.rrsc"
+    p = _start(path, "r", 2, more=1)
+    _wait_flushed(p)
+    reader = MultiSidecarReader([str(path)]) if multi else SidecarReader(str(path))
+    assert sorted(reader.sample_ids()) == ["r-0", "r-1"]
+    assert _finish(p)[0] == 0
+    reader.refresh()
+    assert sorted(reader.sample_ids()) == ["r-0", "r-1", "r-2"]
+    for i in range(3):
+        rec = reader.read(f"r-{i}")
+        assert rec.num_tokens == 5 and int(rec.expert_ids[0, 0, 1]) == 1 + i
+    if not multi:
+        assert reader.complete and reader.errors == []

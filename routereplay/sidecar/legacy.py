@@ -12,12 +12,11 @@ on the shared primitives (routereplay.sidecar.limits, routereplay.sidecar.record
 from __future__ import annotations
 
 import json
+import math
 import struct
 from typing import Any
 
-import numpy as np
-
-from routereplay.codec import REMOVED_CODECS, removed_codec_error
+from routereplay.codec import CODECS, REMOVED_CODECS, removed_codec_error
 from routereplay.errors import RecordError, SidecarError
 from routereplay.record import SamplingInfo, WeightVersionSpan
 from routereplay.schema import RoutingSchema
@@ -30,6 +29,10 @@ from routereplay.sidecar.record_meta import (ARRAY_SECTIONS, MetaError, RecordMe
 META_DEFAULTS: dict[str, Any] = {"start": 0, "prompt_len": None, "weight_versions": [],
                                  "recomputed": [], "prefix_cached": [], "engine": "",
                                  "sampling": None}
+
+# Section entries a format-2 meta may hold beyond one per MoE layer (FORMAT.md "Record
+# payload, version 2"): 0.2 writers wrote two (token_ids, logprobs)
+MAX_EXTRA_SECTIONS = 64
 
 
 def decode_payload_v2(payload: bytes | memoryview, schema: RoutingSchema,
@@ -73,6 +76,11 @@ def _sections_v2(secs: Any, num_tokens: Any, schema: RoutingSchema) -> list[Sect
     """``[name, codec, length, a, b]`` arrays -> sections with body offsets."""
     if not isinstance(secs, list):
         raise MetaError("field 'sections' missing or not list")
+    # NOTE: 0.2 writers wrote at most one routing section per MoE layer plus two arrays;
+    # a meta of many more entries is crafted (each costs a check on every scan and read)
+    if len(secs) > schema.num_moe_layers + MAX_EXTRA_SECTIONS:
+        raise MetaError(f"{len(secs)} sections, more than {schema.num_moe_layers} MoE layers + "
+                        f"{MAX_EXTRA_SECTIONS}")
     out, pos = [], 0
     for sec in secs:
         if not (isinstance(sec, list) and 4 <= len(sec) <= 5 and isinstance(sec[0], str)
@@ -140,7 +148,8 @@ def _validate(meta: dict[str, Any], schema: RoutingSchema, body_len: int) -> Rec
             raise MetaError(f"section {sec.name!r} has a bad shape")
         itemsize = (schema.id_dtype.itemsize if sec.name == "routing"
                     else ARRAY_SECTIONS[sec.name].itemsize if sec.name in ARRAY_SECTIONS else 0)
-        decoded = itemsize * int(np.prod(sec.shape, dtype=np.float64))
+        # NOTE: Python ints: a crafted shape of 10**400 is a size to refuse, not an overflow
+        decoded = itemsize * math.prod(sec.shape) if itemsize else 0
         if itemsize and not section_fits(sec.codec, decoded, sec.length) and not too_big:
             too_big = (f"section {sec.name!r} ({sec.codec}) declares {decoded} bytes from "
                        f"{sec.length} stored bytes: beyond the reader's limit of "
@@ -156,6 +165,9 @@ def _validate(meta: dict[str, Any], schema: RoutingSchema, body_len: int) -> Rec
             if sec.codec in REMOVED_CODECS:
                 raise MetaError(f"routing section of MoE layers [{ly[0]}, {ly[1]}): "
                                 + removed_codec_error(f"routing codec {sec.codec!r}"))
+            if sec.codec not in CODECS:
+                raise MetaError(f"routing section of MoE layers [{ly[0]}, {ly[1]}): unknown "
+                                f"routing codec {sec.codec!r} (this release reads {CODECS})")
             covered.extend(range(ly[0], ly[1]))
         elif sec.name in ARRAY_SECTIONS:
             if len(sec.shape) != 1 or sec.codec not in ("zstd", "raw"):

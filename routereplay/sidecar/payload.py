@@ -270,7 +270,7 @@ def open_section(grid: Grid, i: int, raw: memoryview, codecs: tuple[str, ...],
 
     Raises:
         SidecarError: a CRC mismatch, a codec byte outside the header's table, an array
-            codec other than zstd/raw, a routing codec removed in 0.3.0
+            codec other than zstd/raw, an unknown routing codec, a routing codec removed in 0.3.0
             (:func:`routereplay.codec.removed_codec_error`), or a section beyond the
             expansion limit (naming the section).
     """
@@ -294,6 +294,9 @@ def open_section(grid: Grid, i: int, raw: memoryview, codecs: tuple[str, ...],
         if codec in REMOVED_CODECS:
             raise SidecarError(f"{grid.describe(i)}: "
                                + removed_codec_error(f"routing codec {codec!r}"))
+        if codec not in _codec.CODECS:
+            raise SidecarError(f"{grid.describe(i)}: unknown routing codec {codec!r} (this "
+                               f"release reads {_codec.CODECS})")
         g, b = divmod(i, grid.n_blocks)
         (l0, l1), (r0, r1) = grid.layers(g), grid.rows(b)
         decoded = (r1 - r0) * (l1 - l0) * schema.top_k * schema.id_dtype.itemsize

@@ -179,7 +179,11 @@ class SidecarReader(StreamScan, RecordReads, LiveFollow):
         # NOTE: read() checks that the frame at an offset holds its sample id
         self._index = [FrameInfo(offset=o, kind=KIND_RECORD, payload_len=-1, sample_id=sid)
                        for sid, o in entries]
+        # NOTE: a follower that scanned frames of the live stream keeps them: the scan's
+        # cross-check keeps only scanned frames, and resumes past these
+        scanned = {sid: fi for sid, fi in self._by_id.items() if fi.meta is not None}
         self._by_id = {fi.sample_id: fi for fi in self._index}
+        self._by_id.update(scanned)
         self._offsets = sorted({o for _, o in entries} | {off})
 
     def _read_frame(self, off: int) -> tuple[FrameHeader, bytes]:

@@ -244,9 +244,14 @@ class RecordReads:
                 blob = body[sec.offset: sec.offset + sec.length]
                 if sec.name == "routing":
                     if wanted.intersection(range(*sec.moe_layers)):
-                        out[sec.moe_layers] = _codec.decode(
-                            bytes(blob), sec.codec, sec.shape, self.schema.id_dtype,
-                            self.schema.num_experts)
+                        try:
+                            out[sec.moe_layers] = _codec.decode(
+                                bytes(blob), sec.codec, sec.shape, self.schema.id_dtype,
+                                self.schema.num_experts)
+                        except SidecarError as e:
+                            l0, l1 = sec.moe_layers
+                            raise SidecarError(f"routing section of MoE layers [{l0}, {l1}), "
+                                               f"rows [0, {sec.shape[0]}): {e}") from None
                 elif arrays and sec.name in ("token_ids", "logprobs"):
                     out[sec.name] = decode_array(blob, sec.name, sec.codec, sec.shape[0])
         except SidecarError as e:
@@ -405,12 +410,18 @@ class RecordReads:
         def sink(i: int, codec: str, data: memoryview) -> None:
             if i >= grid.n_routing:
                 name, count = grid.arrays[i - grid.n_routing]
-                got[name] = decode_array(data, name, codec, count)
+                try:
+                    got[name] = decode_array(data, name, codec, count)
+                except SidecarError as e:
+                    raise SidecarError(f"{grid.describe(i)}: {e}") from None
                 return
             g, b = divmod(i, grid.n_blocks)
             (l0, l1), (b0, b1) = grid.layers(g), grid.rows(b)
-            ids = _codec.decode(bytes(data), codec, (b1 - b0, l1 - l0, k), schema.id_dtype,
-                                schema.num_experts)
+            try:
+                ids = _codec.decode(bytes(data), codec, (b1 - b0, l1 - l0, k), schema.id_dtype,
+                                    schema.num_experts)
+            except SidecarError as e:
+                raise SidecarError(f"{grid.describe(i)}: {e}") from None
             dst, src = cols[g]
             for o, (r0, r1) in zip(out, rows):
                 a, e = max(r0, b0), min(r1, b1)
