@@ -120,6 +120,10 @@ def test_wrong_magic_and_version(schema):
     data = bytearray(write_records(None, schema, _records(schema, 1)).getvalue())
     with pytest.raises(SidecarError, match="wrong magic"):
         SidecarReader(b"PK\x03\x04" + bytes(data[4:]))
+    # a live stream opened before its writer's first flush: say so, not "wrong magic"
+    for cut in (0, 5, 12):
+        with pytest.raises(SidecarError, match=rf"empty or partial stream header \({cut} bytes\)"):
+            SidecarReader(bytes(data[:cut]))
     data[8:10] = struct.pack("<H", 9)
     with pytest.raises(SidecarError, match="unsupported sidecar format version 9"):
         SidecarReader(bytes(data))

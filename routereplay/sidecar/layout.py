@@ -162,6 +162,10 @@ def header_json_length(fixed: bytes, stream_size: int) -> tuple[int, int]:
         SidecarError: wrong magic, unsupported version, or J larger than the stream
             (or than 64 MiB).
     """
+    if len(fixed) < HEADER_FIXED_SIZE and MAGIC.startswith(bytes(fixed[:8])):
+        # NOTE: a live stream opened before its writer's first flush
+        raise SidecarError(f"empty or partial stream header ({len(fixed)} bytes): its writer "
+                           "has not written the header yet, or it was cut short", offset=0)
     if len(fixed) < HEADER_FIXED_SIZE or fixed[:8] != MAGIC:
         raise SidecarError("not a routereplay sidecar (wrong magic)", offset=0)
     _, version, _flags, jlen = _HEADER_FIXED.unpack(fixed[:HEADER_FIXED_SIZE])
