@@ -7,7 +7,12 @@ Per RL step (one per policy version of examples/rollout_worker.py):
 1. old log-probs: a forward-only pass replaying the rollout's experts;
 2. the update: forward + backward replaying the same experts, then the optimizer step;
 3. metrics: the replayer's counters (``stats.as_metrics()``) and the train-inference
-   log-prob mismatch (k3 KL) for your logger.
+   log-prob mismatch (k3 KL) for your logger, and the routing agreement with the rollout
+   (share of replayed rows whose experts are the engine's; 1.0 when replay is exact).
+
+examples/verl_native.py runs the same steps through verl 0.9's own data path
+(``DataProto``, ``left_right_2_no_padding``, ``rearrange_micro_batches``) with
+``trainer_hooks.verl`` (docs/verl.md).
 
     python examples/rollout_worker.py --model MODEL_DIR --out ROLLOUT     # vLLM
     python examples/verl_style.py --model MODEL_DIR --rollout ROLLOUT     # megatron-core
@@ -30,9 +35,21 @@ MICRO_BATCH = 2
 
 def run(model, replayer, source, batch, mbs, *, train, loss_fn=None):
     """One pass over the batch's microbatches through megatron's schedule; returns the
-    log-probs [b, s] (column c: log-prob of token c) and the step's ReplayStats."""
+    log-probs [b, s] (column c: log-prob of token c), the step's ReplayStats and the routing
+    agreement (share of the replayed (token, MoE layer) rows whose experts are the
+    rollout's)."""
     tokens, pos, mask = model_inputs(batch["input_ids"], batch["attention_mask"])
     logprobs = torch.zeros(tokens.shape)
+    agree = [0, 0]
+
+    def on_used(key, ci, li, tmap, used):           # a debugging hook: reads ids back
+        for n in np.flatnonzero(tmap.sample >= 0):
+            rec = source.record(mbs[key].sample_ids[tmap.sample[n]])
+            p = int(tmap.position[n]) - rec.start
+            if 0 <= p < rec.expert_ids.shape[0]:    # replayed (the last token: own)
+                agree[0] += set(used[n].tolist()) == set(rec.expert_ids[p, li].tolist())
+                agree[1] += 1
+    replayer.on_used = on_used
 
     def forward_step(data_iterator, chunk):
         k = next(data_iterator)
@@ -52,7 +69,8 @@ def run(model, replayer, source, batch, mbs, *, train, loss_fn=None):
             forward_step_func=forward_step, data_iterator=iter(range(len(mbs))),
             model=[model], num_microbatches=len(mbs), seq_length=tokens.shape[1],
             micro_batch_size=MICRO_BATCH, forward_only=not train)
-    return logprobs, step.stats
+    replayer.on_used = None
+    return logprobs, step.stats, agree[0] / max(agree[1], 1)
 
 
 def main():
@@ -80,7 +98,7 @@ def main():
                                               input_ids=batch["input_ids"][i:i + MICRO_BATCH])
                for i in range(0, len(uids), MICRO_BATCH)]
 
-        old_lp, st_old = run(model, replayer, source, batch, mbs, train=False)
+        old_lp, st_old, agree_old = run(model, replayer, source, batch, mbs, train=False)
         resp = torch.from_numpy(batch["response_mask"]).bool()
         delta = (old_lp - torch.from_numpy(batch["rollout_log_probs"]))[resp]
         k3 = float((delta.exp() - 1 - delta).mean())
@@ -92,10 +110,13 @@ def main():
             ratio = torch.exp(lp - old_lp[rows])
             return -(ratio * adv[rows] * m).sum() / resp.sum()
         opt.zero_grad()
-        _, st_upd = run(model, replayer, source, batch, mbs, train=True, loss_fn=policy_loss)
+        _, st_upd, agree_upd = run(model, replayer, source, batch, mbs, train=True,
+                                   loss_fn=policy_loss)
         opt.step()
         print(json.dumps({"step": path.rsplit("batch-", 1)[1][:-4], "k3_kl": k3,
                           "max_abs_dlogp": float(delta.abs().max()),
+                          "old_logprob/routing_agreement": agree_old,
+                          "update/routing_agreement": agree_upd,
                           **{f"old_logprob/{k}": v for k, v in st_old.as_metrics().items()},
                           **{f"update/{k}": v for k, v in st_upd.as_metrics().items()}}),
               flush=True)

@@ -13,7 +13,7 @@ import numpy as np
 from routereplay.errors import AlignmentError
 from routereplay.schema import RoutingSchema
 from routereplay.token_layout import (MISSING, Layout, Shard, TokenMap, host_array,  # noqa: F401
-                                      token_map)
+                                      jagged_parts, token_map, verl_thd_layout)
 
 # fetch(j, runs) -> [(ids [n, L_local, K], first), ...]: the rows of sample j for each
 # position run [lo, hi) of ``runs`` (one call per sample, all of its runs at once), as

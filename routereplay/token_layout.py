@@ -43,7 +43,8 @@ def host_array(x: Any, what: str) -> np.ndarray:
     would need a device-to-host copy (a synchronisation), so it is refused, not copied.
 
     Raises:
-        AlignmentError: a tensor on another device than the CPU.
+        AlignmentError: a tensor on another device than the CPU; a nested (jagged) tensor
+            (read its rows with :func:`jagged_parts`) or another tensor without numpy().
     """
     if type(x).__module__.startswith("torch"):
         dev = getattr(x, "device", None)
@@ -51,8 +52,38 @@ def host_array(x: Any, what: str) -> np.ndarray:
             raise AlignmentError(f"{what} is a tensor on {dev}: pass the host copy (the batch "
                                  "before it is moved to the device); routing is aligned on "
                                  "the host")
-        return x.detach().numpy()
+        if getattr(x, "is_nested", False):
+            raise AlignmentError(f"{what} is a nested (jagged) tensor {tuple(x.shape)}: this "
+                                 "argument takes a padded array; pass the jagged form where "
+                                 "it is accepted (InMemorySource.from_batch) or the padded "
+                                 "batch")
+        try:
+            return x.detach().numpy()
+        except (RuntimeError, TypeError) as e:       # a tensor subclass without numpy()
+            raise AlignmentError(f"{what} is a {type(x).__name__} that has no host array "
+                                 f"({e}): pass a plain CPU tensor or numpy array") from None
     return np.asarray(x)
+
+
+def jagged_parts(x: Any, what: str) -> list[np.ndarray] | None:
+    """The per-sample parts of a torch nested tensor on the CPU (jagged ``[b, j, ...]`` as
+    verl's ``left_right_2_no_padding`` builds it, or strided), as numpy arrays, sample j's
+    ``[n_j, ...]``; None when ``x`` is not a nested tensor.
+
+    Raises:
+        AlignmentError: a nested tensor on another device than the CPU.
+    """
+    if not (type(x).__module__.startswith("torch") and getattr(x, "is_nested", False)):
+        return None
+    dev = getattr(x, "device", None)
+    if dev is not None and dev.type != "cpu":
+        raise AlignmentError(f"{what} is a nested tensor on {dev}: pass the host copy")
+    import torch
+    if x.layout == torch.jagged:
+        vals = x.values().detach().numpy()
+        off = x.offsets().tolist()
+        return [vals[a:b] for a, b in zip(off[:-1], off[1:])]
+    return [t.detach().numpy() for t in x.unbind()]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -236,19 +267,73 @@ class Layout:
 
 @dataclasses.dataclass(frozen=True)
 class Shard:
-    """This rank's place in the sequence splits (megatron parallel_state)."""
+    """This rank's place in the sequence splits (megatron parallel_state).
+
+    ``cp_layout``: how context parallelism splits the token rows: "zigzag" (megatron's and
+    Transformer Engine's default: ``2 * cp`` chunks per sequence, rank r keeps chunks r and
+    ``2cp-1-r``; per sample for THD) or "contiguous" (THD only: rank r keeps rows
+    ``[r*T/cp, (r+1)*T/cp)`` of the whole padded packed buffer of T rows, verl's layout for
+    attention variants that address rows by one rank-local start, e.g. DeepSeek-V4's
+    ``dsv4_hybrid``).
+    """
 
     cp_size: int = 1
     cp_rank: int = 0
     tp_size: int = 1
     tp_rank: int = 0
     sequence_parallel: bool = False
+    cp_layout: str = "zigzag"
 
     def __post_init__(self):
         if not (self.cp_size >= 1 and 0 <= self.cp_rank < self.cp_size
                 and self.tp_size >= 1 and 0 <= self.tp_rank < self.tp_size):
             raise AlignmentError(f"shard: need 0 <= cp_rank < cp_size and 0 <= tp_rank < "
                                  f"tp_size, got {self}")
+        if self.cp_layout not in ("zigzag", "contiguous"):
+            raise AlignmentError(f"shard: cp_layout must be 'zigzag' or 'contiguous', got "
+                                 f"{self.cp_layout!r}")
+
+
+def verl_thd_layout(lengths: Sequence[int], *, tp: int = 1, cp: int = 1,
+                    cp_layout: str = "zigzag", fp8: bool = False,
+                    min_local_rows: int | None = None,
+                    first: Sequence[int] | None = None) -> Layout:
+    """The THD layout verl 0.9's ``preprocess_thd_engine`` (verl/models/mcore/util.py)
+    packs a micro-batch into, before the CP split (``token_map`` with
+    ``Shard(cp_size=cp, cp_layout=...)`` then takes this rank's rows).
+
+    Rule (verl's): each sequence is padded to a multiple of ``align = tp * cp * (2 if
+    cp_layout == "zigzag" and cp > 1 else 1)``; with ``fp8`` (verl's ``use_fp8_padding``,
+    fp8 ``e4m3`` / ``hybrid``) to a multiple of ``lcm(16, align)`` and the last sequence
+    further so the total is a multiple of ``align * 128``; with ``min_local_rows`` (verl:
+    ``csa_window_size`` of ``dsv4_hybrid``) the last sequence further so the total is at
+    least ``cp * min_local_rows``. ``cu_seqlens_padded`` is verl's
+    ``PackedSeqParams.cu_seqlens_q_padded``.
+
+    Args:
+        lengths: real tokens of each sequence (the nested ``input_ids`` parts), batch order.
+        tp, cp: tensor- and context-parallel sizes (verl: megatron's parallel_state, or the
+            micro-batch's ``local_cp_size`` with dynamic CP).
+    Raises:
+        AlignmentError: sizes < 1, an unknown ``cp_layout``, a negative length.
+    """
+    import math
+    if tp < 1 or cp < 1 or cp_layout not in ("zigzag", "contiguous"):
+        raise AlignmentError(f"verl_thd_layout: need tp, cp >= 1 and cp_layout 'zigzag' or "
+                             f"'contiguous', got tp={tp}, cp={cp}, cp_layout={cp_layout!r}")
+    align = tp * cp * (2 if cp_layout == "zigzag" and cp > 1 else 1)
+    total_align = None
+    if fp8:
+        align, total_align = math.lcm(16, align), align * 128
+    cu = [0]
+    for n in lengths:
+        cu.append(cu[-1] + -(-int(n) // align) * align)
+    if total_align and len(cu) > 1:
+        cu[-1] += -cu[-1] % total_align
+    if min_local_rows is not None and len(cu) > 1 and cu[-1] < cp * min_local_rows:
+        cu[-1] = cp * min_local_rows
+    return Layout(lengths=tuple(int(n) for n in lengths), cu_seqlens_padded=tuple(cu),
+                  first=None if first is None else tuple(first))
 
 
 def _cp_zigzag(x: np.ndarray, cp: int, r: int, what: str) -> np.ndarray:
@@ -303,7 +388,17 @@ def token_map(layout: Layout, shard: Shard = Shard()) -> TokenMap:
             2*cp, or of tp with sequence parallel).
     """
     sample, pos = layout.grid()
-    if shard.cp_size > 1:
+    if shard.cp_size > 1 and shard.cp_layout == "contiguous":
+        n = sample.shape[0]
+        if not layout.packed or n % shard.cp_size:
+            raise AlignmentError(
+                f"context parallel cp_layout='contiguous' splits a packed (THD) buffer into "
+                f"cp={shard.cp_size} equal parts: got a "
+                + (f"packed buffer of {n} rows" if layout.packed else "bshd layout"))
+        c = n // shard.cp_size
+        sample = sample[shard.cp_rank * c:(shard.cp_rank + 1) * c]
+        pos = pos[shard.cp_rank * c:(shard.cp_rank + 1) * c]
+    elif shard.cp_size > 1:
         if layout.packed:
             cu = layout.cu_seqlens_padded
             if sample.shape[0] != cu[-1]:

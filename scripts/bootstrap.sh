@@ -26,6 +26,17 @@ fi
 rm -rf .venv/mcore-0.19.2
 .venv/bin/python -m pip install -q --no-deps --ignore-requires-python \
   --target .venv/mcore-0.19.2 megatron-core==0.19.2
+# verl 0.9.1 beside the rest, for tests/test_verl.py (used with PYTHONPATH=.venv/verl-0.9.1):
+# --no-deps with only what the modules routereplay's verl tests import need (verl.protocol,
+# router_replay_utils/_patch, models.mcore.util, seqlen_balancing): verl's own requirements
+# would pull ray[default], datasets, wandb, ... and downgrade transformers (<5.11).
+# About 20 s and 270 MB (mostly ray, which verl.protocol imports at its top).
+rm -rf .venv/verl-0.9.1
+.venv/bin/python -m pip install -q --no-deps --target .venv/verl-0.9.1 verl==0.9.1 \
+  ray==2.60.0 tensordict==0.10.0 omegaconf==2.3.0 antlr4-python3-runtime==4.9.3 \
+  codetiming==1.4.0 msgpack==1.2.4 orjson==3.13.0 pyvers==0.2.3
+PYTHONPATH=.venv/verl-0.9.1 .venv/bin/python -c "import verl.protocol, verl.utils.megatron.router_replay_utils, verl.utils.seqlen_balancing, trainer_hooks.verl.replay" >/dev/null 2>&1 \
+  || { echo "bootstrap: verl import check failed" >&2; PYTHONPATH=.venv/verl-0.9.1 .venv/bin/python -c "import verl.protocol, verl.utils.megatron.router_replay_utils, verl.utils.seqlen_balancing, trainer_hooks.verl.replay"; exit 1; }
 .venv/bin/python -c "import vllm, megatron.core, routereplay, engine_patches.vllm, trainer_hooks.megatron" 2>/dev/null \
   || { echo "bootstrap: import check failed" >&2; .venv/bin/python -c "import vllm, megatron.core, engine_patches.vllm, trainer_hooks.megatron"; exit 1; }
 echo "$want" > "$STAMP"

@@ -207,3 +207,37 @@ def test_fill_dummy_balances_experts():
         assert counts.max() - counts.min() <= 1, (layer, counts)
     srt = np.sort(out, -1)
     assert (srt[..., 1:] != srt[..., :-1]).all()
+
+
+def test_verl_thd_layout_and_contiguous_cp_split():
+    """verl's THD packing (per-sequence alignment tp*cp*(2 if zigzag), FP8 last-sequence
+    padding, min_local_rows) and the contiguous CP split of the padded buffer; bad input is
+    refused by name (tests/test_verl.py checks the same against verl's own code)."""
+    lay = align.verl_thd_layout([5, 3], tp=2, cp=2)                     # align 8
+    assert lay.cu_seqlens_padded == (0, 8, 16)
+    assert align.verl_thd_layout([5, 3], cp=2, cp_layout="contiguous").cu_seqlens_padded \
+        == (0, 6, 10)
+    assert align.verl_thd_layout([5, 3], tp=2, fp8=True).cu_seqlens_padded == (0, 16, 256)
+    assert align.verl_thd_layout([5, 3], cp=4, cp_layout="contiguous",
+                                 min_local_rows=10).cu_seqlens_padded == (0, 8, 40)
+    c = align.verl_thd_layout([5, 3], cp=2, cp_layout="contiguous")
+    r0, r1 = (align.token_map(c, align.Shard(cp_size=2, cp_rank=r, cp_layout="contiguous"))
+              for r in (0, 1))
+    assert r0.sample.tolist() == [0, 0, 0, 0, 0]
+    assert r1.sample.tolist() == [-1, 1, 1, 1, -1] and r1.position.tolist()[1:4] == [0, 1, 2]
+    with pytest.raises(AlignmentError, match="cp_layout must be 'zigzag' or 'contiguous'"):
+        align.Shard(cp_layout="ring")
+    with pytest.raises(AlignmentError, match="splits a packed \\(THD\\) buffer.*bshd"):
+        align.token_map(align.Layout(lengths=(4, 4), seq_len=4),
+                        align.Shard(cp_size=2, cp_layout="contiguous"))
+    with pytest.raises(AlignmentError, match="need tp, cp >= 1"):
+        align.verl_thd_layout([5], tp=0)
+
+
+def test_nested_tensors_are_read_by_parts_not_as_arrays():
+    torch = pytest.importorskip("torch")
+    nt = torch.nested.as_nested_tensor([torch.arange(3), torch.arange(5)], layout=torch.jagged)
+    assert [p.tolist() for p in align.jagged_parts(nt, "x")] == [[0, 1, 2], [0, 1, 2, 3, 4]]
+    assert align.jagged_parts(np.zeros(3), "x") is None
+    with pytest.raises(AlignmentError, match="x is a nested \\(jagged\\) tensor"):
+        align.host_array(nt, "x")

@@ -61,9 +61,29 @@ def test_verl_style_example(tiny_model, rollout):
             assert s[f"{p}/routereplay/replayed_rows"] == replayed
             assert s[f"{p}/routereplay/fallback_rows"] == fallback
             assert s[f"{p}/routereplay/token_checked_samples"] == 4
+            assert s[f"{p}/routing_agreement"] == 1.0
     # step 1 runs on the rollout's own weights (fp32 engine and trainer): replayed routing
     # gives the engine's log-probs
     assert steps[0]["k3_kl"] < 1e-6 and steps[0]["max_abs_dlogp"] < 1e-3
+
+
+VERL_DIR = os.path.join(REPO, ".venv", "verl-0.9.1")
+
+
+def test_verl_native_example(tiny_model, rollout):
+    """examples/verl_native.py on the real vLLM rollout: verl 0.9.1's own data path
+    (DataProto, left_right_2_no_padding, rearrange_micro_batches), routing agreement 1.0."""
+    assert os.path.isdir(os.path.join(VERL_DIR, "verl")), \
+        "verl 0.9.1 missing at .venv/verl-0.9.1: run scripts/bootstrap.sh"
+    p = run_py([os.path.join(REPO, "examples", "verl_native.py"), "--model", tiny_model,
+                "--rollout", str(rollout[0])], timeout=600,
+               env=dict(os.environ, PYTHONPATH=os.pathsep.join([REPO, VERL_DIR])))
+    assert p.returncode == 0, p.stderr[-4000:]
+    steps = [json.loads(x) for x in p.stdout.splitlines() if x.startswith("{")]
+    assert [s["step"] for s in steps] == ["policy-0", "policy-1"]
+    for s in steps:
+        assert s["routing_agreement/old_logprob"] == s["routing_agreement/update"] == 1.0
+    assert steps[0]["max_abs_dlogp_vs_rollout"] < 1e-3
 
 
 @pytest.mark.parametrize("mode", ["r3", "r2"])

@@ -158,15 +158,17 @@ def build_parser() -> argparse.ArgumentParser:
                             "of a rollout sidecar")
     v.add_argument("sidecar")
     v.add_argument("--model", required=True, help="HF checkpoint folder of the rollout's weights")
-    v.add_argument("--trainer", choices=["hf", "megatron"], default="hf",
-                   help="hf: transformers reference replay (default); megatron: megatron-core "
+    v.add_argument("--trainer", choices=["hf", "fsdp", "megatron"], default="hf",
+                   help="hf: transformers reference replay (default); fsdp: the training "
+                        "replayer of trainer_hooks.fsdp (padded keyed microbatches, token "
+                        "checks; every family it supports); megatron: megatron-core "
                         "RouterReplay (Qwen3-MoE)")
     v.add_argument("--json", help="write the metrics here")
     v.add_argument("--plot", help="write a PNG: CCDF of |delta logp|, 1 - routing agreement per "
                                   "decoder layer and prompt vs response, with and without replay")
     v.add_argument("--limit", type=_positive_int, help="only the first N samples")
     v.add_argument("--device", default=None,
-                   help="--trainer hf: torch device of the model (default cuda when available, "
+                   help="--trainer hf/fsdp: torch device of the model (default cuda when available, "
                         "else cpu)")
     v.add_argument("--timeout", type=float, default=3600, help="megatron subprocess timeout (s)")
     v.set_defaults(func=cmd_verify)

@@ -42,11 +42,18 @@ def cmd_verify(a: argparse.Namespace) -> int:
     verify.sampling_notes(records)
     if a.trainer == "megatron":
         verify.check_full_vocabulary(records, "megatron")
+    replay_stats = None
     if a.trainer == "hf":
         from trainer_hooks.hf.recompute import recompute     # lazy: trainer side
         summary = verify.summarize(records, recompute(a.model, records, schema,
                                                       device=a.device,
                                                       progress=not a.no_progress))
+    elif a.trainer == "fsdp":
+        from trainer_hooks.fsdp.recompute import recompute as fsdp_recompute   # lazy
+        res = fsdp_recompute(a.model, records, schema, device=a.device,
+                             progress=not a.no_progress)
+        replay_stats = res.pop("stats")
+        summary = verify.summarize(records, res)
     else:
         import tempfile
 
@@ -64,9 +71,15 @@ def cmd_verify(a: argparse.Namespace) -> int:
             summary = verify.load_summary(out)
     report = report_to(a.json, a.plot)
     print(verify.format_report(summary), file=report)
+    if replay_stats is not None:
+        print("replayer: " + ", ".join(f"{k.split('/')[-1]}={replay_stats[k]:g}" for k in (
+            "routereplay/replayed_rows", "routereplay/fallback_rows",
+            "routereplay/token_checked_samples", "routereplay/microbatches")), file=report)
     if a.json:
         out = {k: v for k, v in summary.items() if k != "deltas"}
         out.update({"trainer": a.trainer, "model": a.model, "sidecar": a.sidecar})
+        if replay_stats is not None:
+            out["replay_stats"] = replay_stats
         write_output(a.json, json_writer(verify.json_safe(out), allow_nan=False), "--json")
     if a.plot:
         # NOTE: a file object: matplotlib writes its default format, PNG (what --plot is)

@@ -1,7 +1,9 @@
 """Reference routing replay for Hugging Face transformers MoE models (no Megatron).
 
-For users who train with FSDP, TRL or plain PyTorch, and as a cross-check of the Megatron
-path. Supported: transformers 5.x, whose MoE blocks route through a ``*TopKRouter`` module
+The reference of ``routereplay verify --trainer hf`` and a cross-check of the Megatron path:
+whole-batch forced ids, no microbatch keying or token checks. To train (FSDP2, TRL, plain
+PyTorch) use trainer_hooks.fsdp (``verify --trainer fsdp``; docs/fsdp.md).
+Supported: transformers 5.x, whose MoE blocks route through a ``*TopKRouter`` module
 returning ``(router_logits, top_k_weights, top_k_index)`` (Qwen2-MoE, Qwen3-MoE, Mixtral).
 Importing checks the installed version and raises ImportError on another.
 """
