@@ -8,8 +8,10 @@ release number, as ``packaging.specifiers.SpecifierSet.contains(v, prereleases=T
 """
 from __future__ import annotations
 
+import importlib
+import sys
 from importlib import metadata
-from typing import Sequence
+from typing import Any, Callable, Sequence
 
 from packaging.specifiers import SpecifierSet
 from packaging.version import InvalidVersion, Version
@@ -63,3 +65,25 @@ def require(dists: Sequence[str], spec: str, *, what: str, hint: str = "",
         raise ImportError(f"{dist} {version} is not supported by {what}: supported {spec}"
                           + (f" ({hint})" if hint else ""))
     return version
+
+
+def lazy_module_getattr(module: str, lazy: dict[str, str], version_name: str,
+                        check: Callable[[], str]) -> Callable[[str], Any]:
+    """A module ``__getattr__`` (PEP 562) for a version-gated package: ``version_name``
+    (e.g. ``"VLLM_VERSION"``) is ``check()``'s result, each name in ``lazy`` is imported
+    from the module ``lazy[name]`` on first use; both are cached in ``module``'s globals.
+
+    Raises (from the returned function):
+        ImportError: ``check()`` or the lazy import refuses the installed version.
+        AttributeError: any other name.
+    """
+    def __getattr__(name: str) -> Any:
+        if name == version_name:
+            value = check()
+        elif name in lazy:
+            value = getattr(importlib.import_module(lazy[name]), name)
+        else:
+            raise AttributeError(f"module {module!r} has no attribute {name!r}")
+        setattr(sys.modules[module], name, value)
+        return value
+    return __getattr__

@@ -13,7 +13,6 @@ from here, lazily.
 """
 from __future__ import annotations
 
-import importlib
 from typing import Any
 
 SUPPORTED_SPEC = ">=0.32,<0.34"
@@ -57,12 +56,5 @@ def check_vllm_version(version: str | None = None) -> str:
 
 
 def __getattr__(name: str) -> Any:
-    if name == "VLLM_VERSION":
-        v = check_vllm_version()
-        globals()["VLLM_VERSION"] = v
-        return v
-    if name in _LAZY:
-        value = getattr(importlib.import_module(_LAZY[name]), name)
-        globals()[name] = value
-        return value
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    from routereplay.version_gate import lazy_module_getattr
+    return lazy_module_getattr(__name__, _LAZY, "VLLM_VERSION", check_vllm_version)(name)

@@ -138,3 +138,20 @@ class Held:
     ids: torch.Tensor                  # the loaded ids on the model's device
     used: dict[int, torch.Tensor]      # local layer -> int64 [N, K] selected in forward
     backward: bool = False
+
+
+class BackwardTag(torch.autograd.Function):
+    """Identity on a tensor whose backward calls ``cb()`` first: how a replayer learns that
+    a microbatch's backward has reached a point (its last MoE layer, its output), without a
+    host-device sync. ``BackwardTag.apply(x, cb)`` -> ``x`` (a view, same shape and dtype).
+    """
+
+    @staticmethod
+    def forward(ctx, x, cb):
+        ctx.cb = cb
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        ctx.cb()
+        return g, None

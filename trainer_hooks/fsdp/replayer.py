@@ -44,25 +44,11 @@ from routereplay.schema import RoutingSchema, schema_layers_for
 from routereplay.source import RoutingSource, TokenRowSource, as_source
 from trainer_hooks.fsdp import routers as _routers
 from trainer_hooks.core.errors import ReplayStateError, UnknownMicrobatchError
-from trainer_hooks.core.microbatch import Held, Microbatch, check_step_samples
+from trainer_hooks.core.microbatch import BackwardTag, Held, Microbatch, check_step_samples
 from trainer_hooks.core.prefetch import Prefetcher
 from trainer_hooks.core.stats import ReplayStats, ReplayStep
 
 __all__ = ["FSDPReplayer", "hf_token_map", "ulysses_layout"]
-
-
-class _Tag(torch.autograd.Function):
-    """Identity whose backward calls ``cb()`` (marks whose backward is running)."""
-
-    @staticmethod
-    def forward(ctx, x, cb):
-        ctx.cb = cb
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, g):
-        ctx.cb()
-        return g, None
 
 
 def hf_token_map(layout: align.Layout, ulysses: tuple[int, int] | None = None
@@ -332,7 +318,7 @@ class FSDPReplayer:
             if prev is not None and prev != key:
                 self._release(prev)          # its backward is over
             self._bwd = key
-        tagged = _Tag.apply(t, begin)
+        tagged = BackwardTag.apply(t, begin)
         if name:
             out[name] = tagged
             return out

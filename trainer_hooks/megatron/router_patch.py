@@ -26,22 +26,9 @@ import torch
 
 from trainer_hooks.megatron.config_checks import padding_mask_hook
 from trainer_hooks.core.errors import ReplayStateError
+from trainer_hooks.core.microbatch import BackwardTag
 
 _ABSENT = object()
-
-
-class _Tag(torch.autograd.Function):
-    """Identity whose backward calls ``cb()`` (marks where a microbatch's backward is)."""
-
-    @staticmethod
-    def forward(ctx, x, cb):
-        ctx.cb = cb
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, g):
-        ctx.cb()
-        return g, None
 
 
 def _first_decoder_layer(chunk: Any):
@@ -148,7 +135,7 @@ def _chunk_output_hook(rep: Any, ci: int):
                 # fired (first layer's input needed no grad): release it now
                 rep._release(prev, ci)
             rep._bwd[ci] = key
-        return _Tag.apply(out, begin)
+        return BackwardTag.apply(out, begin)
     return hook
 
 
@@ -165,7 +152,7 @@ def _layer_input_hook(rep: Any, ci: int):
             if rep._bwd[ci] == key:
                 rep._bwd[ci] = None
             rep._release(key, ci)
-        tagged = _Tag.apply(hs, end)
+        tagged = BackwardTag.apply(hs, end)
         if "hidden_states" in kwargs:
             kwargs = dict(kwargs, hidden_states=tagged)
             return args, kwargs

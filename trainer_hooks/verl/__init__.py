@@ -18,7 +18,6 @@ ImportError on an unsupported one (:func:`check_verl_version`).
 """
 from __future__ import annotations
 
-import importlib
 from typing import Any
 
 SUPPORTED_SPEC = ">=0.9,<0.10"
@@ -50,12 +49,5 @@ def check_verl_version(version: str | None = None) -> str:
 
 
 def __getattr__(name: str) -> Any:
-    if name == "VERL_VERSION":
-        v = check_verl_version()
-        globals()["VERL_VERSION"] = v
-        return v
-    if name in _LAZY:
-        value = getattr(importlib.import_module(_LAZY[name]), name)
-        globals()[name] = value
-        return value
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    from routereplay.version_gate import lazy_module_getattr
+    return lazy_module_getattr(__name__, _LAZY, "VERL_VERSION", check_verl_version)(name)
