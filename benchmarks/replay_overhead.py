@@ -11,7 +11,7 @@ activation recompute unless --no-recompute). The routing to replay is the model'
 Conditions, interleaved iteration by iteration (median of --iters after one warm-up):
 - plain: no replayer at all (megatron's native routing);
 - replay (sidecar): RouterReplayer fetching each microbatch's rows from the sidecar
-  (the default codec, ctx-zstd), aligning and validating them on its prefetch thread
+  (the default codec, xl-zstd), aligning and validating them on its prefetch thread
   (2 microbatches ahead), and forcing them in forward and recompute;
 - replay (sidecar, no prefetch): the same with prefetch=0 (each microbatch loaded when
   it is entered, on the training thread);
@@ -38,15 +38,11 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
-def bench(rank: int, a: argparse.Namespace) -> None:
-    from megatron.core.pipeline_parallel import get_forward_backward_func
-
-    from routereplay import align
-    from routereplay.record import RoutingRecord
+def bench_model(a: argparse.Namespace):
+    """The benchmarks' Qwen3-MoE-shaped GPTModel (module doc): 4 layers, layer 0 dense,
+    ``a.hidden``, ``a.experts``, ``a.top_k``, full recompute unless ``not a.recompute``;
+    random weights (seed 0). Returns (hf config dict, RoutingSchema, GPTModel)."""
     from routereplay.schema import RoutingSchema
-    from routereplay.sidecar import SidecarReader, write_records
-    from routereplay.source import InMemorySource
-    from trainer_hooks.megatron import Microbatch, RouterReplayer
     from trainer_hooks.megatron.harness import qwen3_moe as conv
     from trainer_hooks.megatron.harness.parallel import (ParallelSpec, build_chunks,
                                                          config_overrides)
@@ -61,6 +57,19 @@ def bench(rank: int, a: argparse.Namespace) -> None:
     schema = RoutingSchema.from_hf_config(hf)
     cfg = conv.transformer_config(hf, **config_overrides(ParallelSpec(), a.recompute))
     model = build_chunks(hf, cfg, ParallelSpec())[0]
+    return hf, schema, model
+
+
+def bench(rank: int, a: argparse.Namespace) -> None:
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    from routereplay import align
+    from routereplay.record import RoutingRecord
+    from routereplay.sidecar import SidecarReader, write_records
+    from routereplay.source import InMemorySource
+    from trainer_hooks.megatron import Microbatch, RouterReplayer
+
+    hf, schema, model = bench_model(a)
     s, b, m = a.seq, a.mbs, a.microbatches
     g = torch.Generator().manual_seed(1)
     tokens = [torch.randint(0, 1024, (b, s), generator=g) for _ in range(m)]

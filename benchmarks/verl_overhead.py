@@ -39,6 +39,7 @@ import numpy as np
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from benchmarks.replay_overhead import bench_model  # noqa: E402  (the same model shape)
 
 
 def verl_batch(a: argparse.Namespace, schema, vocab: int, rng: np.random.Generator):
@@ -82,24 +83,11 @@ def bench(rank: int, a: argparse.Namespace) -> None:
     from verl.utils.seqlen_balancing import rearrange_micro_batches
     from verl.workers.utils.padding import left_right_2_no_padding
 
-    from routereplay.schema import RoutingSchema
-    from trainer_hooks.megatron.harness import qwen3_moe as conv
-    from trainer_hooks.megatron.harness.parallel import (ParallelSpec, build_chunks,
-                                                         config_overrides)
     from trainer_hooks.megatron import MCORE_VERSION
     from trainer_hooks.verl import VERL_VERSION, VerlReplayer, sample_keys
     from trainer_hooks.verl.batch import from_verl
 
-    torch.manual_seed(0)
-    hf = {"model_type": "qwen3_moe", "num_hidden_layers": 4, "mlp_only_layers": [0],
-          "decoder_sparse_step": 1, "hidden_size": a.hidden, "num_attention_heads": 4,
-          "num_key_value_heads": 2, "head_dim": a.hidden // 4, "intermediate_size": 2 * a.hidden,
-          "moe_intermediate_size": a.hidden // 2, "num_experts": a.experts,
-          "num_experts_per_tok": a.top_k, "norm_topk_prob": True, "vocab_size": 1024,
-          "rms_norm_eps": 1e-6, "rope_theta": 10000.0, "tie_word_embeddings": False}
-    schema = RoutingSchema.from_hf_config(hf)
-    cfg = conv.transformer_config(hf, **config_overrides(ParallelSpec(), a.recompute))
-    model = build_chunks(hf, cfg, ParallelSpec())[0]
+    hf, schema, model = bench_model(a)
     dp = verl_batch(a, schema, hf["vocab_size"], np.random.default_rng(0))
     keys = sample_keys(dp.non_tensor_batch["uid"])
     fb = get_forward_backward_func()
