@@ -52,15 +52,12 @@ class InMemorySource:
 
     @classmethod
     def _checked(cls, records: list[RoutingRecord], schema: RoutingSchema) -> "InMemorySource":
-        """A source of records whose ids were checked already (``_record``): the
-        constructor's check without checking the ids a second time."""
+        """A source of records whose ids were checked already (``_record``) and whose
+        sample ids are unique (``_check_ids_count``): the constructor without checking
+        either a second time."""
         self = cls.__new__(cls)
         self.schema = schema
-        self._records = {}
-        for rec in records:
-            if rec.sample_id in self._records:
-                raise RecordError(f"sample {rec.sample_id!r} given twice")
-            self._records[rec.sample_id] = rec
+        self._records = {rec.sample_id: rec for rec in records}
         return self
 
     @classmethod

@@ -314,6 +314,7 @@ def verl_thd_layout(lengths: Sequence[int], *, tp: int = 1, cp: int = 1,
         lengths: real tokens of each sequence (the nested ``input_ids`` parts), batch order.
         tp, cp: tensor- and context-parallel sizes (verl: megatron's parallel_state, or the
             micro-batch's ``local_cp_size`` with dynamic CP).
+        first: optional first token position of each sequence (:class:`Layout` ``first``).
     Raises:
         AlignmentError: sizes < 1, an unknown ``cp_layout``, a negative length.
     """

@@ -405,6 +405,30 @@ def test_from_verl_on_the_padded_dataproto():
         from_verl(_without(dp, "routed_experts"), SCHEMA)
 
 
+
+def test_explicit_layouts_of_padded_rows_keep_the_token_check():
+    """thd= / layouts= on padded micro-batches still give each Microbatch its tokens (the
+    real tokens of each row, in packing order); a routereplay_id column naming one key
+    twice is refused with the key and its count."""
+    from verl.protocol import DataProto
+    from trainer_hooks.verl import KEY_FIELD, from_verl
+    dp = verl_batch(3)
+    am, ids = dp.batch["attention_mask"].numpy(), dp.batch["input_ids"].numpy()
+    real = [row[m != 0] for row, m in zip(ids, am)]
+    for kw in (dict(thd=dict(tp=2)),
+               dict(layouts=[from_verl(dp, SCHEMA, multiple=4).microbatches[0].layout])):
+        (mb,) = from_verl(dp, SCHEMA, **kw).microbatches.values()
+        assert mb.layout.packed and mb.tokens is not None
+        assert all(np.array_equal(t, r) for t, r in zip(mb.tokens, real))
+        (mb,) = from_verl(dp, SCHEMA, check_tokens=False, **kw).microbatches.values()
+        assert mb.tokens is None
+    keys = np.array([f"k{j}" for j in range(len(real))], object)
+    keys[4] = "k1"
+    dup = DataProto.from_dict(tensors=dict(dp.batch.items()),
+                              non_tensors=dict(dp.non_tensor_batch, **{KEY_FIELD: keys}))
+    with pytest.raises(AlignmentError, match="sample key 'k1' is given to 2 samples"):
+        from_verl(dup, SCHEMA)
+
 def _without(dp, key):
     from verl.protocol import DataProto
     return DataProto.from_dict(tensors={k: v for k, v in dp.batch.items() if k != key},

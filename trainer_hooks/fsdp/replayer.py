@@ -39,7 +39,7 @@ import numpy as np
 import torch
 
 from routereplay import align
-from routereplay.errors import AlignmentError, ConfigError
+from routereplay.errors import AlignmentError, ConfigError, SchemaError
 from routereplay.schema import RoutingSchema, schema_layers_for
 from routereplay.source import RoutingSource, TokenRowSource, as_source
 from trainer_hooks.fsdp import routers as _routers
@@ -116,7 +116,6 @@ class FSDPReplayer:
             raise ConfigError(f"fallback must be 'own' or 'dummy', got {fallback!r}")
         if not isinstance(prefetch, int) or prefetch < 0:
             raise ConfigError(f"prefetch must be an int >= 0, got {prefetch!r}")
-        from routereplay.errors import SchemaError
         self.model = model
         self.chunks = [model]
         self.schema = schema

@@ -14,6 +14,7 @@ slots are zero), K = top_k.
 """
 from __future__ import annotations
 
+import collections
 import dataclasses
 from typing import Any, Sequence
 
@@ -24,7 +25,8 @@ VERL_VERSION = check_verl_version()
 from routereplay.errors import AlignmentError, ConfigError  # noqa: E402
 from routereplay.memory_source import InMemorySource  # noqa: E402
 from routereplay.schema import RoutingSchema  # noqa: E402
-from routereplay.token_layout import Layout, jagged_parts, verl_thd_layout  # noqa: E402
+from routereplay.token_layout import (Layout, host_array, jagged_parts,  # noqa: E402
+                                      verl_thd_layout)
 from trainer_hooks.core.microbatch import Microbatch  # noqa: E402
 from trainer_hooks.verl.keys import KEY_FIELD, sample_keys  # noqa: E402
 
@@ -92,9 +94,9 @@ def keys_of(data: Any) -> list[str]:
         return sample_keys(list(uids))
     ids = [str(x) for x in list(ids)]
     if len(set(ids)) != len(ids):
-        dup = next(x for x in ids if ids.count(x) > 1)
+        dup, count = collections.Counter(ids).most_common(1)[0]
         raise AlignmentError(f"{KEY_FIELD}: sample key {dup!r} is given to "
-                             f"{ids.count(dup)} samples (one key per sample: sample_keys)")
+                             f"{count} samples (one key per sample: sample_keys)")
     return ids
 
 
@@ -250,7 +252,12 @@ def _microbatch(k: int, mb: Any, sids: list[str], mb_len: list[int], packed: boo
     if mask is None:
         raise ConfigError(f"micro-batch {k}: a padded micro-batch needs its attention_mask")
     if layout is not None:
-        return Microbatch(sample_ids=tuple(sids), layout=layout)
+        if check_tokens and ids is not None and layout.packed:
+            # NOTE: the padded rows' real tokens, packed in order as the layout packs them
+            m = host_array(mask, f"attention_mask of micro-batch {k}") != 0
+            ids = [row[r] for row, r in zip(host_array(ids, f"input_ids of micro-batch {k}"), m)]
+        return Microbatch(sample_ids=tuple(sids), layout=layout,
+                          tokens=ids if check_tokens else None)
     return Microbatch.from_attention_mask(sids, mask, input_ids=ids if check_tokens else None,
                                           packed=packed, multiple=multiple)
 
